@@ -1,0 +1,39 @@
+"""What the attention layers need to know about one flattened batch, built once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence that runs more than one token this step (a prompt chunk).
+
+    Its queries are rows [query_start, query_start + query_len) of the flat batch; it attends to
+    positions [0, seq_len) of its own context, read through ``block_ids``.
+    """
+
+    query_start: int
+    query_len: int
+    seq_len: int
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] physical blocks, in order
+    mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None = plain causal
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - self.query_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of a flat batch: the first ``num_decodes`` rows are single-token decodes (one per
+    sequence), the rest are prefill chunks."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V is written
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with 0
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] long
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq] = field(default_factory=list)

@@ -1,0 +1,77 @@
+"""Reference paged attention in plain PyTorch (any device).
+
+K/V live in a paged cache ``[num_blocks, block_size, num_kv_heads, head_dim]``. New tokens are
+written at their slots; queries then attend to their sequence's keys, read by indexing the cache
+with the sequence's block table (no per-sequence cache is ever kept).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots."""
+    nb, bs, hkv, d = k_cache.shape
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, key)
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` for this step's tokens -> output ``[T, H, D]``."""
+    write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale)
+    for p in meta.prefills:
+        rows = slice(p.query_start, p.query_start + p.query_len)
+        out[rows] = _prefill(query[rows], key[rows], value[rows], k_cache, v_cache, p, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
+    nd, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    bt = meta.decode_block_tables
+    nblk = bt.shape[1]
+    k = k_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
+    v = v_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=hkv != h
+    )
+    return o.squeeze(2)
+
+
+def _prefill(q, key, value, k_cache, v_cache, p, scale):
+    h = q.shape[1]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if p.context_len == 0:
+        # Nothing earlier in the cache: this chunk's own K/V are the whole context.
+        k, v = key, value
+    else:
+        k = k_cache[p.block_ids].view(-1, hkv, d)[: p.seq_len]
+        v = v_cache[p.block_ids].view(-1, hkv, d)[: p.seq_len]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        scale=scale,
+        enable_gqa=hkv != h,
+    )
+    return o.transpose(0, 1)

@@ -1,0 +1,64 @@
+"""Engine configuration: one validated dataclass, vLLM's option names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_LAYOUTS = ("paged", "contiguous")
+_RESERVE_POLICIES = ("max", "pow2", "oracle")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. Sizes are in tokens unless named otherwise."""
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory_gib: float = 4.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib when set
+    kv_layout: str = "paged"
+    reserve: str = "max"  # contiguous layout only: how much each request reserves at admission
+    enable_prefix_caching: bool = False
+    # Scheduler
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    # Runtime
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}.")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}.")
+        if self.kv_layout not in _KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {_KV_LAYOUTS}, got {self.kv_layout!r}.")
+        if self.reserve not in _RESERVE_POLICIES:
+            raise ValueError(f"reserve must be one of {_RESERVE_POLICIES}, got {self.reserve!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}.")
+        if self.preemption_mode not in ("recompute",):
+            raise ValueError(f"preemption_mode must be 'recompute', got {self.preemption_mode!r}.")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}.")
+        return cls(**kwargs)  # type: ignore[arg-type]

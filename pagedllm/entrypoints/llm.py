@@ -1,0 +1,102 @@
+"""The offline API, as in vLLM: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+ChatMessage = dict[str, str]
+
+
+class LLM:
+    """Loads a model once; ``generate`` runs a whole list of prompts with continuous batching."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: object) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in input order.
+
+        All requests are validated before any runs: one bad prompt raises ValueError and
+        nothing is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts.")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(engine.add_request(None, p, sp))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))  # leave the engine clean (no held blocks)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> str:
+        tok = self.get_tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
+        return tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )

@@ -1,0 +1,140 @@
+"""BlockPool: the physical KV blocks, their reference counts and the prefix cache.
+
+A block is free when no sequence references it (ref_cnt == 0). Free blocks wait in an LRU
+queue; a free block may still hold a cached prefix (it has a hash), which stays reusable until
+the block is handed out again, so eviction is least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+
+class BlockHash(NamedTuple):
+    """Identifies a full block by its whole prefix: the parent's hash chains all earlier blocks.
+
+    Used as a dict key, so two hashes are only equal when their token ids are equal too; the
+    chaining through ``parent`` (a Python hash of the parent BlockHash) makes the key cover the
+    entire prefix.
+    """
+
+    parent: int | None
+    token_ids: tuple[int, ...]
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    return BlockHash(None if parent is None else hash(parent), tuple(token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # Free blocks in eviction order (front = evicted first). OrderedDict gives O(1) removal of
+        # a cached block that gets hit while free.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        # Prefix cache statistics (in blocks).
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Hands out n free blocks (ref_cnt 1), evicting their cached contents if any."""
+        if n > len(self._free):
+            raise RuntimeError(f"BlockPool: asked for {n} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            h = self.block_hash[block_id]
+            if h is not None:
+                self.num_evictions += 1
+                del self._cached[h]
+                self.block_hash[block_id] = None
+            self.ref_cnt[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Adds a reference to each block (sharing, or reusing a cached prefix)."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference from each block; unreferenced blocks join the free queue's tail.
+
+        Callers pass a sequence's blocks tail first, so that the end of a prefix is evicted
+        before its beginning (a later request is likelier to share the beginning).
+        """
+        for b in block_ids:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"BlockPool: double free of block {b}")
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                if self.block_hash[b] is None or not self.enable_caching:
+                    # Uncached blocks go to the front: reuse them before evicting useful prefixes.
+                    self._free[b] = None
+                    self._free.move_to_end(b, last=False)
+                else:
+                    self._free[b] = None
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """Registers a full, computed block under its prefix hash (first writer wins)."""
+        if not self.enable_caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is already cached; this one stays private
+        self._cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        self.num_cache_queries += 1
+        b = self._cached.get(block_hash)
+        if b is not None:
+            self.num_cache_hits += 1
+        return b
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self._cached.items()):
+            if self.ref_cnt[b] == 0:
+                del self._cached[h]
+                self.block_hash[b] = None
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the pool's bookkeeping is inconsistent (tests call it)."""
+        assert all(r >= 0 for r in self.ref_cnt), "negative refcount"
+        free = set(self._free)
+        assert len(free) == len(self._free)
+        for b in range(self.num_blocks):
+            assert (self.ref_cnt[b] == 0) == (b in free), f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
+        for h, b in self._cached.items():
+            assert self.block_hash[b] == h
+        assert sum(h is not None for h in self.block_hash) == len(self._cached)

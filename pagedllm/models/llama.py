@@ -1,0 +1,202 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over a paged KV cache.
+
+Numerics follow Hugging Face transformers (RMSNorm in fp32, RoPE tables from transformers' own
+rope-init functions) so greedy output matches it token for token in fp32. q/k/v and gate/up
+projections are fused into one matmul each: fewer, larger GEMMs are faster on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.paged_attention import paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_len, computed as transformers computes them."""
+
+    def __init__(self, hf_config, max_len: int) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope_type = _rope_type(hf_config)
+        if rope_type in ("dynamic", "longrope"):
+            raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+        hf_rope = LlamaRotaryEmbedding(hf_config)
+        pos = torch.arange(max_len, dtype=torch.float)
+        freqs = pos[:, None] * hf_rope.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_type(hf_config) -> str:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+
+    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder over a flat batch: ``forward(input_ids[T], positions[T], kv_caches, meta)``."""
+
+    qkv_bias_default = False
+
+    def __init__(self, hf_config, max_model_len: int) -> None:
+        super().__init__()
+        cfg = hf_config
+        self.config = cfg
+        qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
+        attn = self.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_hf_weights(self, tensors) -> None:
+        """Copies Hugging Face-named tensors (an iterable of (name, tensor)) into the fused layout."""
+        own = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded = set()
+        for name, t in tensors:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 3 and parts[-2] in fused:
+                target, idx = fused[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                pending.setdefault(key, {})[idx] = t
+                n_parts = 3 if target == "qkv_proj" else 2
+                if len(pending[key]) == n_parts:
+                    parts_by_idx = pending.pop(key)
+                    t = torch.cat([parts_by_idx[i] for i in range(n_parts)], dim=0)
+                    name = key
+                else:
+                    continue
+            if name not in own:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            p = own[name]
+            if p.shape != t.shape:
+                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t)
+            loaded.add(name)
+        missing = sorted(set(own) - loaded)
+        if pending or missing:
+            raise ValueError(f"checkpoint is missing weights: {missing or sorted(pending)}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+def sliding_window(cfg) -> int | None:
+    """The smallest attention window any layer uses, or None if every layer attends to all.
+
+    The engine caps max_model_len at this window, so full attention is exact (a sequence never
+    grows past the window); windowed attention over longer contexts is not implemented.
+    """
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is None:
+        return None
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return int(window)

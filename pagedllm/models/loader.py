@@ -1,0 +1,76 @@
+"""Builds a model from a local Hugging Face folder (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedllm.models.llama import RotaryEmbedding
+from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def cpu_supports_bf16() -> bool:
+    """True where bf16 matmuls run natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = fh.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    """'auto' is the checkpoint's own dtype where the device runs it well, else float32."""
+    if dtype != "auto":
+        if dtype == "float16" and device.type == "cpu":
+            raise ValueError("dtype 'float16' is only supported on CUDA; use 'bfloat16' or 'float32' on the CPU.")
+        return _DTYPES[dtype]
+    own = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(own, str):
+        own = _DTYPES.get(own)
+    if own not in (torch.bfloat16, torch.float16):
+        return torch.float32
+    if device.type == "cuda":
+        return own if own != torch.bfloat16 or torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors weights in {model_dir!r}.")
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int) -> nn.Module:
+    cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, max_model_len)
+    # Materialise on the target device in the target dtype, then fill from the checkpoint.
+    model = model.to_empty(device=device).to(dtype=dtype)
+    model.load_hf_weights(iter_safetensors(model_dir))
+    # RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does).
+    model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)
+    return model

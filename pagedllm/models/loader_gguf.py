@@ -1,0 +1,241 @@
+"""Convert a llama-architecture GGUF file (llama.cpp format) into a Hugging Face model folder.
+
+The rest of pagedllm only knows how to load HF-format folders (config.json + model.safetensors +
+tokenizer files). GGUF checkpoints are therefore converted once, dequantized to float32, and cached
+(see ``pagedllm.models.resolve``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+# Bump when the output format changes, so cached conversions get redone (used in resolve's cache key).
+CONVERTER_VERSION = 1
+
+# Per-layer tensors: "blk.{N}.{gguf}.weight" -> "model.layers.{N}.{hf}.weight".
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Model-level tensors.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """Value of a GGUF metadata key as a plain Python value (str / int / float / list)."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _f32_to_float(x: float) -> float:
+    # GGUF stores floats as float32, so 1e-5 reads back as 9.999999747e-06. Round-trip through the
+    # shortest float32 repr to get the value the original config.json had.
+    return float(str(np.float32(x)))
+
+
+def _hf_name(gguf_name: str) -> str:
+    """Map a llama.cpp tensor name to its HF Llama name, e.g. blk.3.attn_q.weight ->
+    model.layers.3.self_attn.q_proj.weight."""
+    base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{kind}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"Unsupported GGUF tensor {gguf_name!r} (only plain llama models are supported)")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute(weights, n_head, n_head_kv)`` applied to q/k projections.
+
+    HF Llama applies RoPE to the two *halves* of each head (rotate_half); llama.cpp rotates
+    *adjacent pairs*. Its converter reorders each head's rows from (2, head_dim/2) to (head_dim/2, 2);
+    we reshape with that permuted layout and swap the two axes back.
+    Works for weights [out, in] and for 1-D biases [out].
+    """
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    def m(key: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{key}", default)
+
+    n_head = int(m("attention.head_count"))
+    hidden = int(m("embedding_length"))
+    vocab_size = m("vocab_size")
+    if vocab_size is None:  # older GGUFs: vocab size is implied by the token list
+        vocab_size = len(_meta(reader, "tokenizer.ggml.tokens"))
+
+    rope_scaling = None
+    scaling_type = m("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(m("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": float(m("rope.scaling.factor")),
+            "original_max_position_embeddings": int(m("rope.scaling.original_context_length")),
+        }
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"Unsupported GGUF rope scaling type {scaling_type!r}")
+    if "rope_freqs.weight" in tensor_names:
+        # Llama-3.1 style scaling is stored by llama.cpp as precomputed frequencies; mapping it back
+        # to HF's llama3 rope parameters is not implemented, and ignoring it would silently give a
+        # different model.
+        raise ValueError("GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported")
+
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
+    pad = _meta(reader, "tokenizer.ggml.padding_token_id")
+    # Legacy-style keys (rope_theta / rope_scaling / torch_dtype), as in the original Hub
+    # config.json: understood by transformers 4.x and 5.x and easy for our own code to read.
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden,
+        "intermediate_size": int(m("feed_forward_length")),
+        "num_hidden_layers": int(m("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(m("attention.head_count_kv", n_head)),
+        "head_dim": int(m("attention.key_length", hidden // n_head)),
+        "max_position_embeddings": int(m("context_length")),
+        "rms_norm_eps": _f32_to_float(m("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32_to_float(m("rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        # llama.cpp omits output.weight when lm_head shares the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        # The model's intended compute dtype; the weights file itself is float32 (dequantized).
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        # dequantize() returns numpy in torch order ([out, in]); GGUF's t.shape is ggml order
+        # ([in, out]), hence the reversed reshape (a no-op safety net for already-shaped data).
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable.
+        w = np.require(w, np.float32, ["C", "W"])
+        if ".attn_q." in t.name:
+            w = _unpermute(w, n_head)
+        elif ".attn_k." in t.name:
+            w = _unpermute(w, n_kv)
+        tensors[_hf_name(t.name)] = torch.from_numpy(w)
+    return tensors
+
+
+def _save_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> None:
+    # transformers has its own GGUF vocab/merges -> tokenizer.json conversion; reuse it rather than
+    # re-implementing BPE/SentencePiece reconstruction.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), local_files_only=True
+    )
+    if chat_template and not tok.chat_template:
+        tok.chat_template = chat_template
+    tok.save_pretrained(out_dir)
+
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        tok_cfg = json.load(f)
+    tok_cfg.pop("local_files_only", None)  # our load-time flag, not a tokenizer property
+    # Recent transformers save the template only as chat_template.jinja; also put it in
+    # tokenizer_config.json so older transformers and our own jinja rendering find it.
+    if chat_template:
+        tok_cfg.setdefault("chat_template", chat_template)
+    _write_json(cfg_path, tok_cfg)
+
+
+def _make_readable(folder: str) -> None:
+    # mkdtemp creates the folder 0700 (and safetensors writes 0600); give the cache entry the usual
+    # permissions of a downloaded model. (Not umask-based: reading the umask is not thread-safe.)
+    os.chmod(folder, 0o755)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o644)
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
+    """Convert ``gguf_path`` into an HF ``LlamaForCausalLM`` folder at ``out_dir``.
+
+    Writes config.json, generation_config.json, model.safetensors (float32) and tokenizer files.
+    The folder appears atomically: everything is written to a temp dir next to ``out_dir`` and
+    renamed at the end, so a crash never leaves a half-written cache entry. If ``out_dir`` already
+    holds a finished conversion (e.g. a concurrent process won the race), it is kept.
+    """
+    gguf_path = os.path.abspath(gguf_path)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+
+    reader = GGUFReader(gguf_path)
+    arch = _meta(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (only 'llama')")
+    tensor_names = {t.name for t in reader.tensors}
+    config = _build_config(reader, arch, tensor_names)
+    chat_template = _meta(reader, "tokenizer.chat_template")
+
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        logger.info("Converting GGUF %s -> %s (one-time, dequantizing to float32)", gguf_path, out_dir)
+        save_file(
+            _convert_weights(reader, config),
+            os.path.join(tmp, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        _write_json(os.path.join(tmp, "config.json"), config)
+        gen_cfg = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        _write_json(os.path.join(tmp, "generation_config.json"), gen_cfg)
+        _save_tokenizer(gguf_path, tmp, chat_template)
+        _make_readable(tmp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            # out_dir exists: fine if it is a complete conversion (another process finished first).
+            if not os.path.isfile(os.path.join(out_dir, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename

@@ -1,0 +1,27 @@
+"""Maps a Hugging Face ``architectures`` name to our implementation."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config) -> type[nn.Module]:
+    archs = getattr(hf_config, "architectures", None) or []
+    for a in archs:
+        if a in _MODELS:
+            return _MODELS[a]
+    raise ValueError(
+        f"Model architecture(s) {archs} not supported. Supported: {', '.join(supported_architectures())}."
+    )

@@ -1,0 +1,117 @@
+"""Executes one scheduled step: builds the flat batch tensors, runs the model, samples.
+
+The runner makes no policy decisions: it runs exactly what the SchedulerOutput says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
+from pagedllm.kv.base import KVCacheManager
+from pagedllm.request import Request
+from pagedllm.sampler import Sampler, SamplerOutput
+from pagedllm.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_manager: KVCacheManager,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv = kv_manager
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Runs the step; returns the requests that sampled (in order) and their samples."""
+        input_ids, positions, meta, sample_rows, sampling = self._prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampling:
+            return [], None
+        logits = self.model.compute_logits(hidden[sample_rows])
+        # Sampling runs on the host: per-request torch.Generators are CPU generators.
+        return sampling, self.sampler(logits.cpu(), sampling)
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        dev = self.device
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+
+        # Decodes: one row each, attending through a padded block-table matrix.
+        nd = len(decodes)
+        decode_bt = decode_lens = decode_mask = None
+        if nd:
+            tables = []
+            lens = []
+            for s in decodes:
+                r = s.request
+                pos = r.num_computed_tokens
+                table = self.kv.block_table(r.request_id)
+                tokens.append(r.all_token_ids[pos])
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                lens.append(pos + 1)
+                tables.append(table[: pos // bs + 1])
+            max_blocks = max(len(t) for t in tables)
+            decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev)
+            decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+            key_pos = torch.arange(max_blocks * bs, device=dev)
+            decode_mask = (key_pos.unsqueeze(0) < decode_lens.unsqueeze(1)).view(nd, 1, 1, -1)
+            for i, s in enumerate(decodes):
+                if s.samples:
+                    sample_rows.append(i)
+                    sampling.append(s.request)
+
+        # Prefill chunks: a contiguous run of rows each.
+        prefill_seqs = []
+        for s in prefills:
+            r = s.request
+            start, n = r.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            table = self.kv.block_table(r.request_id)
+            q_start = len(tokens)
+            tokens.extend(r.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = -(-end // bs)
+            mask = None
+            if start > 0:
+                # Query i (position start + i) sees keys 0..start + i.
+                q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
+                mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
+            prefill_seqs.append(PrefillSeq(
+                query_start=q_start, query_len=n, seq_len=end,
+                block_ids=torch.tensor(table[:num_blocks], dtype=torch.long, device=dev), mask=mask,
+            ))
+            if s.samples:
+                sample_rows.append(q_start + n - 1)
+                sampling.append(r)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=nd,
+            decode_block_tables=decode_bt,
+            decode_seq_lens=decode_lens,
+            decode_mask=decode_mask,
+            prefills=prefill_seqs,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return input_ids, pos_t, meta, rows, sampling

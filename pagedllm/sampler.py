@@ -1,0 +1,116 @@
+"""Turns the last-position logits of each sampling sequence into next tokens (+ logprobs).
+
+Order as in vLLM: penalties, min_tokens masking, then greedy argmax or temperature ->
+top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw distribution.
+Random draws use the exponential-race trick (argmax p / Exp(1)), with a per-request
+generator when the request has a seed, so its tokens do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    chosen_logprobs: list[float]  # log p(token) under the raw model distribution
+    top_logprobs: list[dict[int, float] | None]  # per row: token id -> logprob (chosen + top-N)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        # Draws for requests without their own seed: reproducible per engine, not per request.
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits.clone(), requests)
+        token_ids = self._choose(logits, requests)
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        ids = token_ids.tolist()
+        chosen_l = chosen.tolist()
+        top: list[dict[int, float] | None] = []
+        for i, r in enumerate(requests):
+            n = r.sampling_params.logprobs
+            if n is None:
+                top.append(None)
+                continue
+            d = {ids[i]: chosen_l[i]}
+            if n > 0:
+                vals, idx = raw_logprobs[i].topk(n)
+                for t, v in zip(idx.tolist(), vals.tolist(), strict=True):
+                    d.setdefault(t, v)
+            top.append(d)
+        return SamplerOutput(ids, chosen_l, top)
+
+    # ---- logits processing ---------------------------------------------------------------
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, r in enumerate(requests):
+            sp = r.sampling_params
+            row = logits[i]
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+            if (sp.frequency_penalty or sp.presence_penalty) and r.output_token_ids:
+                counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)
+                row -= sp.frequency_penalty * counts[:vocab].to(row.dtype)
+                row -= sp.presence_penalty * (counts[:vocab] > 0).to(row.dtype)
+            if r.num_output_tokens < sp.min_tokens:
+                stops = set(sp.stop_token_ids)
+                if not sp.ignore_eos:
+                    stops |= sp.all_stop_token_ids
+                stops = [t for t in stops if t < vocab]
+                if stops:
+                    row[torch.tensor(stops, dtype=torch.long)] = float("-inf")
+        return logits
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        out = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if not random_rows:
+            return out
+        rows = torch.tensor(random_rows, dtype=torch.long)
+        sub = logits[rows]
+        params = [requests[i].sampling_params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype).unsqueeze(1)
+        sub = _filter(sub / temps, params)
+        probs = torch.softmax(sub, dim=-1)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            q[j].exponential_(generator=requests[i].generator or self.generator)
+        out[rows] = (probs / q).argmax(dim=-1)
+        return out
+
+
+def _filter(logits: torch.Tensor, params) -> torch.Tensor:
+    """Applies top-k, top-p and min-p (each row its own values); removed entries become -inf."""
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    vocab = logits.shape[1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k]).unsqueeze(1)
+        remove |= torch.arange(vocab).unsqueeze(0) >= k
+        p = torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        remove |= (probs.cumsum(dim=-1) - probs) >= p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    if any(m > 0 for m in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        m = torch.tensor(min_p, dtype=logits.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits

@@ -1,0 +1,72 @@
+"""Tokenizer loading, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types; say which folder failed and why
+        raise ValueError(f"Could not load a tokenizer from {path!r}: {e}") from e
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, decoding only a small window per token.
+
+    Byte-level BPE can split one character over several tokens; text is only emitted once the
+    window decodes without a trailing replacement character. Stop strings are searched in the
+    newly added text (plus enough of the old to catch one straddling the boundary); the text is
+    cut at the stop string, which is dropped unless include_stop_str_in_output.
+    """
+
+    tokenizer: object
+    skip_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    text: str = ""
+    _ids: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Appends a token; returns the stop string if one now appears (text is then final)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None  # an incomplete character: wait for the next token
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        old_len = len(self.text)
+        self.text += delta
+        if not self.stop:
+            return None
+        search_from = max(0, old_len - self._max_stop_len + 1)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
+        return s
+
+    def stream_safe_len(self, finished: bool) -> int:
+        """How much of ``text`` may be streamed: hold back a tail that could begin a stop string."""
+        if finished or not self.stop:
+            return len(self.text)
+        return max(0, len(self.text) - self._max_stop_len + 1)

@@ -1,0 +1,93 @@
+"""Builds tiny random-weight Hugging Face checkpoints (+ a small byte-level BPE tokenizer) for tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 512
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks. "
+    "A scheduler batches requests continuously; a block table maps logical blocks to physical ones. "
+    "def hello(world):\n    return world * 2\n" * 3
+)
+
+
+def build_tokenizer(out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    n = tok.get_vocab_size()
+    if n < VOCAB:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - n)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    hf.save_pretrained(out_dir)
+
+
+def _init(model: torch.nn.Module, std: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral")
+
+
+def build_model(family: str, out_dir: str, seed: int = 0) -> str:
+    """Writes a tiny checkpoint of the family into out_dir (if not already there)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    if family == "llama":  # GQA (4 query heads, 2 KV heads), untied embeddings
+        cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                          rope_theta=10000.0, **common)
+        cls = LlamaForCausalLM
+    elif family == "llama3_rope":  # llama3 rope scaling, tied embeddings, MHA
+        cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+                          rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                          **common)
+        cls = LlamaForCausalLM
+    elif family == "qwen2":  # q/k/v bias, MQA, tied
+        cfg = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                          rope_theta=1000000.0, **common)
+        cls = Qwen2ForCausalLM
+    elif family == "mistral":  # explicit head_dim different from hidden/heads, sliding window config
+        cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                            sliding_window=4096, rope_theta=10000.0, **common)
+        cls = MistralForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    _init(model, std=0.15, seed=seed)
+    if family == "qwen2":  # make the biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    return out_dir
