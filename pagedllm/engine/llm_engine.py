@@ -220,7 +220,10 @@ class LLMEngine:
         finished = req.is_finished
         text = ""
         if state.detokenizer is not None:
-            text = state.detokenizer.text
+            # While running, hold back a tail that may turn out to start a stop string, so the
+            # cumulative text only ever grows (safe to stream as deltas).
+            d = state.detokenizer
+            text = d.text[: d.stream_safe_len(finished)]
         completion = CompletionOutput(
             index=0,
             text=text,
