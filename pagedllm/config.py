@@ -32,6 +32,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     # Runtime
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    attention_backend: str = "auto"  # "auto": compiled CPU decode kernel when it builds; "torch": reference
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}.")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}.")
         if self.preemption_mode not in ("recompute",):
             raise ValueError(f"preemption_mode must be 'recompute', got {self.preemption_mode!r}.")
 

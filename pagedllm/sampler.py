@@ -44,7 +44,8 @@ class Sampler:
                 continue
             d = {ids[i]: chosen_l[i]}
             if n > 0:
-                vals, idx = raw_logprobs[i].topk(n)
+                # More than the vocabulary asked for: return them all (topk would raise mid-step).
+                vals, idx = raw_logprobs[i].topk(min(n, raw_logprobs.shape[1]))
                 for t, v in zip(idx.tolist(), vals.tolist(), strict=True):
                     d.setdefault(t, v)
             top.append(d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,5 +36,14 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with 0
     decode_seq_lens: torch.Tensor | None  # [num_decodes] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # Compiled decode kernel (reads the cache in place), or None for the PyTorch reference path.
+    decode_kernel: Callable | None = None
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool, True where a key is visible (built once)."""
+        if self._decode_mask is None:
+            key_pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device)
+            self._decode_mask = (key_pos.unsqueeze(0) < self.decode_seq_lens.unsqueeze(1)).view(self.num_decodes, 1, 1, -1)
+        return self._decode_mask

@@ -35,7 +35,12 @@ def paged_attention(
     write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(query)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_kernel is not None:
+        q = query[:nd].contiguous()
+        o = torch.empty_like(q)
+        meta.decode_kernel(o, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        out[:nd] = o
+    elif nd:
         out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
@@ -51,7 +56,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     k = k_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
     v = v_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=hkv != h
+        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(bs), scale=scale, enable_gqa=hkv != h
     )
     return o.squeeze(2)
 

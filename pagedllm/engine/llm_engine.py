@@ -61,7 +61,8 @@ class LLMEngine:
                                       self.model.head_dim, self.dtype, self.device)
         self.kv_manager = make_kv_manager(config, self.num_kv_blocks, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, config.block_size, self.device, config.seed)
+        self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, config.block_size, self.device, config.seed,
+                                  config.attention_backend)
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}

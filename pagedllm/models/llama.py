@@ -22,10 +22,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            # transformers' exact formula, so fp32 output matches it bit for bit where it can
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x
+        # low precision: one fused kernel (fp32 accumulation inside) instead of five ops
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -45,10 +47,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for this step's positions, [T, 1, D], looked up once for all layers."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -73,13 +78,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
 
-    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -107,8 +112,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+            x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

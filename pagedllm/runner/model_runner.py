@@ -23,6 +23,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -30,6 +31,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
+        self.decode_kernel = None
+        if attention_backend == "auto" and device.type == "cpu":
+            from pagedllm.attention.cpu_kernels import load_cpu_kernels
+
+            kernels = load_cpu_kernels()
+            if kernels is not None:
+                self.decode_kernel = kernels.paged_decode_attention
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
@@ -55,7 +63,7 @@ class ModelRunner:
 
         # Decodes: one row each, attending through a padded block-table matrix.
         nd = len(decodes)
-        decode_bt = decode_lens = decode_mask = None
+        decode_bt = decode_lens = None
         if nd:
             tables = []
             lens = []
@@ -71,8 +79,6 @@ class ModelRunner:
             max_blocks = max(len(t) for t in tables)
             decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev)
             decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
-            key_pos = torch.arange(max_blocks * bs, device=dev)
-            decode_mask = (key_pos.unsqueeze(0) < decode_lens.unsqueeze(1)).view(nd, 1, 1, -1)
             for i, s in enumerate(decodes):
                 if s.samples:
                     sample_rows.append(i)
@@ -108,8 +114,8 @@ class ModelRunner:
             num_decodes=nd,
             decode_block_tables=decode_bt,
             decode_seq_lens=decode_lens,
-            decode_mask=decode_mask,
             prefills=prefill_seqs,
+            decode_kernel=self.decode_kernel,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -1,0 +1,303 @@
+"""AsyncLLMEngine: runs LLMEngine.step() in one background thread and streams outputs to asyncio.
+
+Why a thread: a model forward takes milliseconds to seconds and would freeze the event loop
+(no new connections, no health checks, no disconnect detection) if it ran there. torch releases
+the GIL inside its kernels, so the loop stays responsive while the engine computes.
+
+Thread safety: the LLMEngine is touched by the engine thread only. Other threads talk to it
+through a command queue (add / abort / stats) that the engine thread drains between steps, so no
+lock is held across a forward pass and an abort frees its KV blocks before the very next step.
+Outputs go back to each request's own asyncio.Queue through ``loop.call_soon_threadsafe`` (one
+call per step and event loop, not one per token).
+
+When no request is unfinished the thread sleeps on a threading.Event that every command sets:
+no busy polling. An exception inside a step fails the requests that were in flight (their
+streams raise ``RequestFailedError``), aborts them so their blocks are freed, is logged, and the
+thread keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.async_engine")
+
+# Called in the engine thread for every output of every step: (output, time of this request's
+# previous token or None if this is its first). Used for latency histograms; must be cheap.
+OutputHook = Callable[[RequestOutput, float | None], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (never started, shut down, or crashed)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine raised while this request was in flight; the request was aborted."""
+
+
+_ABORTED = object()  # sentinel put on a stream's queue by abort(): ends the iteration
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutputs (cumulative; the last one has finished=True).
+
+    Iteration ends after the finished output, or at once after ``abort()``; it raises
+    RequestFailedError / EngineDeadError if the engine failed the request.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._engine = engine
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False  # no more outputs will come: finished, failed or aborted
+
+    def _put(self, item: Any) -> None:  # on the event loop
+        self._queue.put_nowait(item)
+
+    def abort(self) -> None:
+        """Stops the request (idempotent, non-blocking): its KV blocks are freed before the next step.
+
+        Call it on the stream's event loop (the queue is an asyncio.Queue).
+        """
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+            self._queue.put_nowait(_ABORTED)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _ABORTED:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncLLMEngine:
+    """An LLMEngine driven by a background thread, with asyncio streams per request."""
+
+    def __init__(self, engine: LLMEngine, output_hook: OutputHook | None = None) -> None:
+        self.engine = engine
+        self.output_hook = output_hook
+        self._commands: collections.deque[tuple] = collections.deque()  # append/popleft are atomic
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._last_token_time: dict[str, float] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.num_step_errors = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, output_hook: OutputHook | None = None) -> AsyncLLMEngine:
+        return cls(LLMEngine(config), output_hook)
+
+    # ---- life cycle ---------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the thread after its current step; every unfinished stream raises EngineDeadError."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- API for the event loop (any thread) --------------------------------------------
+    def _submit(self, cmd: tuple) -> None:
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        self._commands.append(cmd)
+        self._wake.set()
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queues a request; returns its stream once the engine accepted it.
+
+        Raises what LLMEngine.add_request raises (ValueError for a bad request, nothing queued).
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, self)
+        fut: asyncio.Future[None] = loop.create_future()
+        self._submit(("add", stream, prompt, params, arrival_time, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it undoes it
+            raise
+        return stream
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Aborts requests (non-blocking, thread-safe); unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if ids and self.is_running:
+            self._commands.append(("abort", ids))
+            self._wake.set()
+
+    async def get_stats(self) -> dict:
+        """LLMEngine.get_stats(), computed by the engine thread between steps (a consistent snapshot)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict] = loop.create_future()
+        self._submit(("stats", fut))
+        return await fut
+
+    # ---- the engine thread --------------------------------------------------------------
+    @staticmethod
+    def _resolve(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        def set_it() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        try:
+            fut.get_loop().call_soon_threadsafe(set_it)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _deliver(self, items: list[tuple[RequestStream, Any]]) -> None:
+        """Hands (stream, output or exception) pairs to their event loops, one call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream._loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            kind = cmd[0]
+            if kind == "add":
+                _, stream, prompt, params, arrival_time, fut = cmd
+                try:
+                    self.engine.add_request(stream.request_id, prompt, params, arrival_time)
+                except Exception as e:  # ValueError / NotImplementedError: the caller's fault
+                    self._resolve(fut, error=e)
+                    continue
+                self._streams[stream.request_id] = stream
+                self._resolve(fut)
+            elif kind == "abort":
+                ids = [i for i in cmd[1] if i in self._streams]
+                if ids:
+                    self.engine.abort_request(ids)
+                    for i in ids:
+                        self._streams.pop(i, None)
+                        self._last_token_time.pop(i, None)
+            elif kind == "stats":
+                try:
+                    self._resolve(cmd[1], self.engine.get_stats())
+                except Exception as e:
+                    self._resolve(cmd[1], error=e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._fail_all(e)
+            return
+        items = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if self.output_hook is not None:
+                t = out.metrics.get("last_token_time")
+                try:
+                    self.output_hook(out, self._last_token_time.get(out.request_id))
+                except Exception:  # metrics must never break serving
+                    logger.exception("output hook failed")
+                if t is not None:
+                    self._last_token_time[out.request_id] = t
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                self._last_token_time.pop(out.request_id, None)
+            items.append((stream, out))
+        if items:
+            self._deliver(items)
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step raised: fail and abort every request in flight, keep the engine usable."""
+        self.num_step_errors += 1
+        ids = list(self._streams)
+        logger.exception("engine step failed; aborting %d request(s)", len(ids), exc_info=error)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting the failed requests raised too")
+        failure = RequestFailedError(
+            f"The engine failed while running this request: {type(error).__name__}: {error}"
+        )
+        self._deliver([(self._streams[i], failure) for i in ids])
+        self._streams.clear()
+        self._last_token_time.clear()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()  # before draining: a command queued after this wakes the wait below
+                self._drain_commands()
+                if self._stop:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    continue
+                self._step()
+        except BaseException as e:  # a bug in the loop itself: make it visible, fail everyone
+            logger.exception("engine thread crashed")
+            self._deliver(
+                [(s, EngineDeadError(f"The engine thread crashed: {e}")) for s in self._streams.values()]
+            )
+            self._streams.clear()
+            raise
+        finally:
+            self._stop = True
+            dead = EngineDeadError("The engine was shut down.")
+            self._deliver([(s, dead) for s in self._streams.values()])
+            self._streams.clear()
+            # Commands that arrived too late: answer their futures so no caller hangs.
+            while self._commands:
+                cmd = self._commands.popleft()
+                if cmd[0] in ("add", "stats"):
+                    self._resolve(cmd[-1] if cmd[0] == "add" else cmd[1], error=dead)
+
+
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream._put(item)

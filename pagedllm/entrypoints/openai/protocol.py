@@ -1,0 +1,206 @@
+"""OpenAI request shapes (pydantic), the OpenAI error shape, and request -> SamplingParams.
+
+Unknown fields are ignored, as the OpenAI API and vLLM do (``extra="ignore"``), so clients that
+send newer or vendor-specific fields keep working. Fields that have a default also accept an
+explicit ``null`` meaning "the default", because some clients send nulls.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 5 (completions) / 20 (chat)
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type or ("server_error" if status_code >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None  # optional as in vLLM: defaults to the (first) served model
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as a self-hosted server has no abuse tracking
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    # Order matters for pydantic's union: exact matches win, then the first that validates.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+    role: str
+    content: str | list[TextContentPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def error_from_value_error(e: Exception, fields: set[str]) -> APIError:
+    """Maps a ValueError from SamplingParams / LLMEngine.add_request to a 400.
+
+    SamplingParams' messages begin with the field name ("temperature must be >= 0, got -1."),
+    which becomes ``param``; context-length errors get OpenAI's code.
+    """
+    msg = str(e)
+    m = re.match(r"(\w+) ", msg)
+    param = m.group(1) if m and m.group(1) in fields else None
+    code = "context_length_exceeded" if "maximum context length" in msg else None
+    return APIError(msg, 400, param=param, code=code)
+
+
+_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+def to_sampling_params(
+    req: _SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    best_of: int | None = None,
+) -> SamplingParams:
+    """Builds SamplingParams; omitted (None) fields keep SamplingParams' (vLLM's) defaults.
+
+    Raises APIError(400) naming the bad field.
+    """
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", param="logprobs")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise APIError(f"n must be between 1 and {MAX_N}, got {n}.", param="n")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
+    kwargs: dict[str, Any] = {
+        "n": n,
+        "best_of": best_of,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "seed": req.seed,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+    # max_tokens=None is meaningful (the rest of the context); every other None means "default".
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("max_tokens", "logprobs", "best_of")}
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise error_from_value_error(e, _FIELDS) from e
+
+
+def validation_error_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A readable message (and the offending field) from pydantic/FastAPI validation errors."""
+    by_field: dict[str, list[dict]] = {}
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return f"The request body is not valid JSON{': ' + str(detail) if detail else ''}.", None
+        by_field.setdefault(loc[0] if loc else "", []).append(err)
+    parts = []
+    for field, errs in by_field.items():
+        if not field:
+            e = errs[0]
+            if e.get("type") == "missing":
+                parts.append("The request body must be a JSON object.")
+            else:
+                parts.append(f"Invalid request body: {e.get('msg')}.")
+            continue
+        e = errs[0]
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "missing":
+            parts.append(f"'{field}' is a required property.")
+        elif len(errs) > 1:  # a union field: every alternative failed
+            parts.append(f"Invalid type for '{field}': got {_short(e.get('input'))} ({e.get('msg')}).")
+        else:
+            parts.append(f"Invalid value for '{loc}': {e.get('msg')} (got {_short(e.get('input'))}).")
+    first = next(iter(by_field), None)
+    return " ".join(parts) or "Invalid request.", first or None
+
+
+def _short(value: Any) -> str:
+    s = repr(value)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+FinishReason = Literal["stop", "length", "abort"] | None

@@ -1,0 +1,235 @@
+"""/v1/chat/completions: the tokenizer's chat template turns messages into a prompt."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    to_sampling_params,
+)
+from pagedllm.entrypoints.openai.serving_completion import (
+    AbortOnCloseStreamingResponse,
+    ClientDisconnected,
+    OpenAIServing,
+    _ChoiceState,
+    abort_all,
+    merge_streams,
+    sse,
+)
+
+# apply_chat_template's own parameters: never let a request's chat_template_kwargs override them.
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "chat_template",
+    "tokenize",
+    "add_generation_prompt",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tools",
+    "documents",
+    "continue_final_message",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    """A message as chat templates expect it: content as one string (text parts joined)."""
+    d = m.model_dump(exclude_none=True)
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    f"Message content of type {part.type!r} is not supported; only text is.", param="messages"
+                )
+            texts.append(part.text)
+        d["content"] = "\n".join(texts)
+    elif content is None:
+        d["content"] = ""
+    return d
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        model = self.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("When using top_logprobs, logprobs must be set to true.", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = to_sampling_params(req, max_tokens, logprobs)
+        messages = [_message_dict(m) for m in req.messages]
+        kwargs = {
+            k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
+        }
+        prompt = await self.in_tokenizer_thread(
+            self._render, messages, req.add_generation_prompt is not False, kwargs
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.add_requests(request_id, [prompt], params, arrival)
+        if req.stream:
+            return AbortOnCloseStreamingResponse(
+                self._stream(req, request_id, model, streams, prompt, params.n), streams
+            )
+        try:
+            (out,) = await self.collect(streams, raw_request)
+        except ClientDisconnected:
+            return JSONResponse(APIError("Client disconnected.", 499).to_dict(), status_code=499)
+        choices, completion_tokens = [], 0
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            completion_tokens += len(c.token_ids)
+            lp = None
+            if logprobs is not None and c.logprobs is not None:
+                lp = {"content": self._logprobs(c.token_ids, c.logprobs, logprobs)}
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choices,
+                "usage": self.usage(len(out.prompt_token_ids), completion_tokens),
+            }
+        )
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> dict:
+        """Chat template -> text -> ids. No special tokens are added: the template has them (BOS...)."""
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError("This model's tokenizer has no chat template; use /v1/completions.")
+        try:
+            text = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except (
+            Exception
+        ) as e:  # jinja errors ("roles must alternate", raise_exception(...)) are the input's fault
+            raise APIError(f"Could not apply the chat template: {e}", param="messages") from e
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> list[dict]:
+        """Chat-shaped logprobs: one entry per token, each with its top alternatives."""
+        entries = []
+        for t, lp in zip(token_ids, logprobs, strict=False):
+            s = self.token_str(t)
+            entries.append(
+                {
+                    "token": s,
+                    "logprob": self.logprob(lp.get(t, -9999.0)),
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": (ks := self.token_str(k)),
+                            "logprob": self.logprob(v),
+                            "bytes": list(ks.encode("utf-8")),
+                        }
+                        for k, v in self.top_entries(lp, top)
+                    ],
+                }
+            )
+        return entries
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        streams: list[RequestStream],
+        prompt: dict,
+        n: int,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        states: dict[int, _ChoiceState] = {}
+        completion_tokens: dict[int, int] = {}
+        usage_null = {"usage": None} if req.include_usage else {}
+        want_lp = bool(req.logprobs)
+        top = req.top_logprobs or 0
+
+        def chunk(choices: list[dict], **extra: Any) -> str:
+            return sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+
+        try:
+            async for _, out in merge_streams(streams):
+                for c in out.outputs:
+                    st = states.setdefault(c.index, _ChoiceState())
+                    if st.finished:
+                        continue
+                    if not st.started:  # OpenAI's first chunk: the role, empty content
+                        st.started = True
+                        yield chunk(
+                            [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                            **usage_null,
+                        )
+                    delta = c.text[st.text_len :]
+                    new_ids = c.token_ids[st.num_tokens :]
+                    finish = c.finish_reason
+                    lp_new = want_lp and c.logprobs is not None and bool(new_ids)
+                    if not delta and finish is None and not lp_new:
+                        continue
+                    lp = (
+                        {"content": self._logprobs(new_ids, c.logprobs[st.num_tokens :], top)}
+                        if lp_new
+                        else None
+                    )
+                    st.text_len = max(st.text_len, len(c.text))
+                    st.num_tokens = len(c.token_ids)
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": lp,
+                        "finish_reason": finish,
+                    }
+                    if finish is not None:
+                        choice["stop_reason"] = c.stop_reason
+                        st.finished = True
+                        completion_tokens[c.index] = len(c.token_ids)
+                    yield chunk([choice], **usage_null)
+            if req.include_usage:
+                usage = self.usage(len(prompt["prompt_token_ids"]), sum(completion_tokens.values()))
+                yield chunk([], usage=usage)
+            yield sse("[DONE]")
+        except (RequestFailedError, EngineDeadError) as e:
+            yield self.stream_error(e)
+            yield sse("[DONE]")
+        finally:
+            abort_all(streams)

@@ -1,0 +1,122 @@
+"""The compiled decode kernel equals the PyTorch reference; the reference equals dense attention."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
+from pagedllm.attention.paged_attention import paged_attention
+
+
+def build_batch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int,
+                decode_lens: list[int], prefills: list[tuple[int, int]], dtype=torch.float32):
+    """A random paged cache holding every sequence's context, scattered over shuffled blocks.
+
+    decode_lens: context length (incl. the new token) of each decode; prefills: (context_len, query_len).
+    Returns the step's q/k/v, caches, metadata and each sequence's full dense K/V for checking.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    seqs = [(n - 1, 1) for n in decode_lens] + list(prefills)
+    total_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 3
+    free = list(range(total_blocks))
+    rng.shuffle(free)
+    k_cache = torch.zeros(total_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    tables, dense, slots, qs, ks, vs = [], [], [], [], [], []
+    for ctx, ql in seqs:
+        n = ctx + ql
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        k_all = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v_all = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(ctx):  # earlier tokens are already in the cache
+            k_cache[table[p // block_size], p % block_size] = k_all[p]
+            v_cache[table[p // block_size], p % block_size] = v_all[p]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, n)]
+        qs.append(torch.randn(ql, num_heads, head_dim, generator=g).to(dtype))
+        ks.append(k_all[ctx:])
+        vs.append(v_all[ctx:])
+        tables.append(table)
+        dense.append((k_all, v_all, ctx))
+    nd = len(decode_lens)
+    max_blocks = max([len(t) for t in tables[:nd]], default=1)
+    pf, row = [], nd
+    for i, (ctx, ql) in enumerate(prefills):
+        n = ctx + ql
+        mask = None
+        if ctx:
+            mask = torch.arange(n).unsqueeze(0) <= torch.arange(ctx, n).unsqueeze(1)
+        pf.append(PrefillSeq(row, ql, n, torch.tensor(tables[nd + i]), mask))
+        row += ql
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decodes=nd,
+        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:nd]]) if nd else None,
+        decode_seq_lens=torch.tensor(decode_lens) if nd else None,
+        prefills=pf,
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dense
+
+
+def dense_attention(q, k_all, v_all, ctx, scale):
+    """Plain causal attention of the query rows (positions ctx..) over the full dense K/V."""
+    h, hkv = q.shape[1], k_all.shape[1]
+    k = k_all.repeat_interleave(h // hkv, dim=1).float()
+    v = v_all.repeat_interleave(h // hkv, dim=1).float()
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    n = k.shape[0]
+    mask = torch.arange(n).unsqueeze(0) <= torch.arange(ctx, n).unsqueeze(1)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+CASES = [  # block_size, heads, kv_heads, head_dim
+    (1, 4, 2, 16), (16, 9, 3, 64), (128, 4, 1, 32), (16, 4, 4, 16),
+]
+
+
+@pytest.mark.parametrize("block_size,h,hkv,d", CASES)
+def test_reference_equals_dense(block_size, h, hkv, d):
+    decode_lens, prefills = [1, 5, 17, 40], [(0, 9), (13, 6), (31, 1 + 1)]
+    q, k, v, kc, vc, meta, dense = build_batch(block_size, h, hkv, d, 0, decode_lens, prefills)
+    scale = 1 / math.sqrt(d)
+    out = paged_attention(q, k, v, kc, vc, meta, scale)
+    row = 0
+    for k_all, v_all, ctx in dense:
+        ql = k_all.shape[0] - ctx
+        ref = dense_attention(q[row:row + ql], k_all, v_all, ctx, scale)
+        torch.testing.assert_close(out[row:row + ql], ref, atol=1e-5, rtol=1e-5)
+        row += ql
+
+
+kernels = load_cpu_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernel could not be built here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,h,hkv,d", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference(block_size, h, hkv, d, dtype):
+    decode_lens = [1, 2, 16, 17, 100, 300]  # ragged, block boundaries included
+    prefills = [(0, 7), (20, 5)]  # mixed with prefill chunks
+    q, k, v, kc, vc, meta, _ = build_batch(block_size, h, hkv, d, 1, decode_lens, prefills, dtype)
+    scale = 1 / math.sqrt(d)
+    ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    meta.decode_kernel = kernels.paged_decode_attention
+    out = paged_attention(q, k, v, kc, vc, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_prefill_without_context_is_causal():
+    q, k, v, kc, vc, meta, dense = build_batch(16, 2, 2, 8, 3, [], [(0, 12)])
+    out = paged_attention(q, k, v, kc, vc, meta, 0.5)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, scale=0.5).transpose(0, 1)
+    torch.testing.assert_close(out, ref)
