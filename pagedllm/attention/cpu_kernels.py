@@ -33,6 +33,7 @@ def load_cpu_kernels():
         try:
             from torch.utils.cpp_extension import load
 
+            logger.info("pagedllm: building the CPU attention kernel (first use only; cached by torch)")
             src = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
             flags = ["-O3", "-march=native", "-fopenmp"]
             _module = load(name="pagedllm_cpu_kernels", sources=[src], extra_cflags=flags, verbose=False)

@@ -1,0 +1,115 @@
+"""`pagedllm bench throughput`: offline throughput on a workload, as vLLM's `bench throughput`.
+
+All requests are submitted at once (token-id prompts, greedy, ignore_eos, each its own
+max_tokens) and the engine runs until all finish. The wall time covers generation only (model
+load, kernel build and a small warm-up are excluded), median of --repeats runs on one engine.
+Also reports the fraction of the GEMM roofline reached: the weight matmuls of a token cost
+2 x (parameter count) FLOP, and the peak is a large bf16/fp32 matmul timed in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+
+from pagedllm.bench.workloads import add_workload_args, workload_from_args, workload_summary
+from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+DEFAULT_OUT_DIR = "benchmarks/results/throughput"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    add_engine_args(p, skip=("seed",))
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--label", default=None, help="name of this configuration in the results")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    p.add_argument("--no-save", action="store_true", help="print only, write no files")
+
+
+def gemm_peak_gflops(dtype, n: int = 2048, iters: int = 10) -> float:
+    """FLOP/s of a large square matmul in this process: the roofline the model's GEMMs can reach."""
+    import torch
+
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    return 2 * n**3 * iters / (time.perf_counter() - t) / 1e9
+
+
+def run_requests(llm, requests: list[dict]) -> float:
+    from pagedllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+              for r in requests]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    want = sum(r["max_tokens"] for r in requests)
+    if got != want:
+        raise RuntimeError(f"generated {got} tokens, expected {want}")
+    return wall
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    kwargs = engine_kwargs(args, skip=("model", "seed"))
+    llm = LLM(model=args.model, **kwargs)
+    engine = llm.llm_engine
+    requests = workload_from_args(args, vocab_size=engine.vocab_size)
+    run_requests(llm, [{"prompt_token_ids": r["prompt_token_ids"][:32], "max_tokens": 8} for r in requests[:4]])
+    walls = [run_requests(llm, requests) for _ in range(args.repeats)]
+    wall = statistics.median(walls)
+    summary = workload_summary(requests)
+    n_prompt, n_out = summary["prompt_tokens_total"], summary["output_tokens_total"]
+    params = sum(p.numel() for p in engine.model.parameters())
+    peak = gemm_peak_gflops(engine.dtype)
+    gemm_s = (n_prompt + n_out) * 2 * params / (peak * 1e9)
+    result = {
+        "bench": "throughput",
+        "label": args.label or f"pagedllm {args.kv_layout} bs{args.block_size}",
+        "model": args.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "engine": kwargs,
+        "workload": {"name": args.workload, "seed": args.seed, **summary},
+        "walls_s": [round(w, 3) for w in walls],
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(n_out / wall, 2),
+        "total_tok_s": round((n_prompt + n_out) / wall, 2),
+        "req_s": round(len(requests) / wall, 4),
+        "ms_per_output_token": round(1000 * wall / n_out, 3),
+        "model_params": params,
+        "gemm_peak_gflops": round(peak, 1),
+        "gemm_roofline_s": round(gemm_s, 2),
+        "roofline_fraction": round(gemm_s / wall, 3),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "kv_cache_tokens": engine.num_kv_blocks * engine.config.block_size,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print("RESULT " + json.dumps(result, sort_keys=True))
+    row = (f"| {result['label']} | {result['dtype']} | {len(requests)} | {wall:.1f} | {result['output_tok_s']:.1f} "
+           f"| {result['total_tok_s']:.1f} | {result['ms_per_output_token']:.2f} | {result['roofline_fraction']:.0%} "
+           f"| {result['peak_rss_mib']:.0f} |")
+    print("| system | dtype | requests | wall s | output tok/s | total tok/s | ms/out tok | GEMM roofline | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(row)
+    if not args.no_save:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "results.jsonl"), "a") as fh:
+            fh.write(json.dumps(result, sort_keys=True) + "\n")
+    return 0
