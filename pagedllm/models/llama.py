@@ -134,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
+        self.packed_head = None
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
@@ -145,8 +146,23 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def pack_for_cpu(self) -> int:
+        """Pre-packs bf16 matmul weights for oneDNN (see cpu_linear); returns the layers packed."""
+        from pagedllm.models.cpu_linear import PackedLinear, pack_linears
+
+        n = pack_linears(self.layers)
+        if n:
+            w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+            head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            head.weight = nn.Parameter(w, requires_grad=False)
+            self.packed_head = PackedLinear(head)
+            n += 1
+        return n
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_weights(self, tensors) -> None:

@@ -61,7 +61,9 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, fh.get_tensor(name)
 
 
-def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int) -> nn.Module:
+def load_model(
+    model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int, pack_weights: bool = True
+) -> nn.Module:
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)
@@ -72,5 +74,7 @@ def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.devi
     model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
+        model.pack_for_cpu()
     logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)
     return model
