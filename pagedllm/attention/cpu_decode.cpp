@@ -17,6 +17,17 @@
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
+// Widens one K or V row to float. The bf16 case is written as a plain shift so the compiler
+// vectorizes it (c10::BFloat16's conversion operator is not vectorized).
+static inline void load_row(const float* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+static inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(s[i]) << 16);
+}
+
 template <typename scalar_t>
 static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                         torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -35,7 +46,7 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc;
+    std::vector<float> qf, scores, acc, row(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = lens[s];
@@ -48,20 +59,25 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
       // scores = q . k for every visible key
       for (int64_t t = 0; t < len; ++t) {
         const scalar_t* kt = kp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + h * head_dim;
+        load_row(kt, row.data(), head_dim);
+        const float* kr = row.data();
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_f(kt[d]);
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kr[d];
           scores[g * len + t] = dot;
         }
       }
       // softmax per query head
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        // (no infinities anywhere: the kernel is built with -ffast-math, see cpu_kernels.py)
+        float mx = sg[0];
+        for (int64_t t = 1; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
         float sum = 0.f;
+        // vectorized exp (glibc libmvec, enabled by -ffast-math): scalar expf dominated the kernel
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
@@ -70,11 +86,13 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
       acc.assign(group * head_dim, 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const scalar_t* vt = vp + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + h * head_dim;
+        load_row(vt, row.data(), head_dim);
+        const float* vr = row.data();
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_f(vt[d]);
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vr[d];
         }
       }
       for (int64_t g = 0; g < group; ++g)
