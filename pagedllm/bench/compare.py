@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 from collections.abc import Callable
@@ -235,6 +234,12 @@ def run_workload(engine, requests: list[dict], sample_kv: bool = True,
         result["attention_s"] = attn_total
         result["attention_ms_per_step"] = 1000 * attn_total / len(samples)
         result["attention_fraction"] = attn_total / engine_time
+    sat = [s for s in samples if s["waiting"] > 0]
+    sat_time = sum(s["dt"] for s in sat)
+    # Throughput while requests wait: the regime where KV memory (or max_num_seqs) limits the
+    # batch, without the drain at the end, whose length the single longest request sets.
+    result["saturated_time_s"] = sat_time
+    result["saturated_output_tok_s"] = sum(s["tokens"] for s in sat) / sat_time if sat_time else None
     if sample_kv:
         result["memory"] = memory_breakdown(samples)
         result["memory_saturated"] = memory_breakdown([s for s in samples if s["waiting"] > 0])
@@ -299,14 +304,20 @@ def _config_record(args: argparse.Namespace, engine) -> dict:
     }
 
 
+def columnar(rows: list[dict]) -> dict[str, list]:
+    """[{k: v}, ...] -> {k: [v, ...]}: keys once, not once per sample (a third of the JSON)."""
+    keys = list(rows[0]) if rows else []
+    return {k: [round(r[k], 4) if isinstance(r[k], float) else r[k] for r in rows] for k in keys}
+
+
 def _strip(result: dict, max_points: int) -> dict:
-    """The result without token ids, with the timeline thinned to about max_points samples."""
+    """The result without token ids, with the timeline thinned to about max_points samples
+    (every stride-th step; each keeps its own dt) and stored column by column."""
     out = {k: v for k, v in result.items() if k not in ("outputs", "samples", "requests")}
     samples = result["samples"]
     stride = max(1, -(-len(samples) // max_points))
     out["timeline_stride"] = stride
-    out["timeline"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
-                       for s in samples[::stride]]
+    out["timeline"] = columnar(samples[::stride])
     out["request_latencies_s"] = [round(r["latency"], 3) for r in result["requests"]]
     return out
 
@@ -353,16 +364,21 @@ def run_layouts(args: argparse.Namespace) -> dict:
              f"max running {res['max_running']}, waste {res['memory']['waste']:.3f}")
         outputs[name] = res.pop("outputs")
         results[name] = res
-    # Greedy decoding with the same model: every layout must produce the same tokens.
+    # Greedy decoding with the same model: every layout should produce the same tokens. In fp32 it
+    # does (tests/test_contiguous.py); in bf16 a different batch composition changes rounding,
+    # which can flip a near-tie of random-weight / random-prompt logits: count matching requests.
     ref = next(iter(outputs.values()))
-    same = {name: out == ref for name, out in outputs.items()}
+    same = {name: sum(out[i] == ref[i] for i in ref) / len(ref) for name, out in outputs.items()}
     ratios = {}
     if "paged" in results:
         p = results["paged"]
         for name, r in results.items():
             if name != "paged":
+                sat = None
+                if p["saturated_output_tok_s"] and r["saturated_output_tok_s"]:
+                    sat = p["saturated_output_tok_s"] / r["saturated_output_tok_s"]
                 ratios[name] = {"output_tok_s": p["output_tok_s"] / r["output_tok_s"],
-                                "req_s": p["req_s"] / r["req_s"],
+                                "req_s": p["req_s"] / r["req_s"], "saturated_output_tok_s": sat,
                                 "max_running": p["max_running"] / r["max_running"]}
     return {
         "mode": "compare", "config": config, "workload": {"name": args.workload, "seed": args.seed,
@@ -493,7 +509,7 @@ def run(args: argparse.Namespace) -> int:
                 result[key][name] = _strip(res, args.timeline_points)
         path = os.path.join(args.out_dir, f"{mode}.json")
         with open(path, "w") as fh:
-            json.dump(result, fh, indent=1)
+            fh.write(report.dumps_json(result))
         files.append(path)
         _log("wrote " + ", ".join(files))
     return 0

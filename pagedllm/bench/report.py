@@ -7,7 +7,9 @@ folder, writes ``<mode>.md`` and PNGs, and returns the paths it wrote.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Sequence
 
 # Fixed colours so a layout looks the same in every plot.
@@ -20,7 +22,7 @@ MEMORY_PARTS = [
     ("future", "reserved for future tokens", "tab:olive"),
     ("internal_frag", "internal fragmentation", "tab:red"),
     ("external_frag", "external fragmentation", "tab:purple"),
-    ("free", "free (nobody waits for it)", "lightgrey"),
+    ("free", "free (no fragmentation)", "lightgrey"),
 ]
 
 
@@ -33,6 +35,13 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def dumps_json(obj: object) -> str:
+    """Indented JSON with every list of plain numbers on one line (timelines stay readable and small)."""
+    text = json.dumps(obj, indent=1)
+    return re.sub(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
 
 
 def _plt():
@@ -65,7 +74,8 @@ def _config_lines(result: dict) -> list[str]:
         f"{w['prompt_tokens_total']} prompt + {w['output_tokens_total']} output tokens, all arriving at t=0, "
         f"greedy, ignore_eos (each runs to exactly max_tokens)",
         f"- KV budget: {c['num_kv_tokens']} token slots for every layout",
-        "- time is engine time (sum of `step()` durations; the per-step stats sampling is excluded)",
+        "- time is engine time: the sum of `step()` durations, less the KV stats sampling done inside "
+        "each step (right after scheduling)",
         f"- command wall time: {result.get('command_wall_s', float('nan')):.0f} s",
     ]
 
@@ -112,13 +122,20 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
     # Throughput and latency.
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     colors = [LAYOUT_COLORS.get(n) for n in names]
-    for ax, key, title in ((axes[0], "output_tok_s", "output tokens/s"), (axes[1], "req_s", "requests/s")):
-        vals = [layouts[n][key] for n in names]
-        ax.bar(names, vals, color=colors)
-        ax.set_title(title)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
     x = range(len(names))
+    vals = [layouts[n]["output_tok_s"] for n in names]
+    axes[0].bar([i - 0.2 for i in x], vals, 0.4, color=colors)
+    sat = [layouts[n].get("saturated_output_tok_s") or 0.0 for n in names]
+    axes[0].bar([i + 0.2 for i in x], sat, 0.4, color=colors, alpha=0.5, hatch="//")
+    axes[0].set_xticks(list(x), names)
+    axes[0].set_title("output tok/s: whole run, while requests wait (hatched)", fontsize=9)
+    for i, v in enumerate(vals):
+        axes[0].text(i - 0.2, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+    vals = [layouts[n]["req_s"] for n in names]
+    axes[1].bar(names, vals, color=colors)
+    axes[1].set_title("requests/s")
+    for i, v in enumerate(vals):
+        axes[1].text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
     axes[2].bar([i - 0.2 for i in x], [layouts[n]["latency_mean_s"] for n in names], 0.4, label="mean",
                 color=colors)
     axes[2].bar([i + 0.2 for i in x], [layouts[n]["latency_p99_s"] for n in names], 0.4, label="p99",
@@ -153,16 +170,23 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
     rows = []
     for n in names:
         r = layouts[n]
+        sat = r.get("saturated_output_tok_s")
         rows.append([LAYOUT_LABELS.get(n, n), r["block_size"], r["max_running"], r["mean_running"],
-                     r["output_tok_s"], r["req_s"], r["latency_mean_s"], r["latency_p99_s"],
-                     r["norm_latency_mean_s_per_tok"], r["num_preemptions"], r["engine_time_s"]])
+                     r["output_tok_s"], r["req_s"], "n/a" if sat is None else sat, r["latency_mean_s"],
+                     r["latency_p99_s"], r["norm_latency_mean_s_per_tok"], r["num_preemptions"],
+                     r["engine_time_s"], r["mean_step_ms"]])
     lines += ["## Throughput and latency", "", md_table(
-        ["layout", "block size", "max running", "mean running", "output tok/s", "req/s", "mean latency s",
-         "p99 latency s", "mean s/output token per request", "preemptions", "engine time s"], rows), ""]
+        ["layout", "block size", "max running", "mean running", "output tok/s", "req/s",
+         "output tok/s while requests wait", "mean latency s", "p99 latency s",
+         "mean s/output token per request", "preemptions", "engine time s", "ms/step"], rows), ""]
     ratios = result.get("throughput_ratio_paged_over", {})
     if ratios:
-        lines += ["Paged over each baseline: " + "; ".join(
-            f"**{v['output_tok_s']:.2f}x** vs {k} (max concurrency {v['max_running']:.1f}x)"
+        def sat(v: dict) -> str:
+            return "" if v.get("saturated_output_tok_s") is None else \
+                f", {v['saturated_output_tok_s']:.2f}x while requests wait"
+
+        lines += ["Paged over each baseline (output tok/s over the whole run): " + "; ".join(
+            f"**{v['output_tok_s']:.2f}x** vs {k} (max concurrency {v['max_running']:.1f}x{sat(v)})"
             for k, v in ratios.items()), ""]
     for phase, key, what in (("while requests wait (saturated)", "memory_saturated", "the paper's regime"),
                              ("whole run", "memory", "includes the drain at the end")):
@@ -184,9 +208,13 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
         "reserved; + external frag. + free = 100%. Reserved for future tokens: slots a request will "
         "fill before it ends; internal frag.: reserved slots it never fills (prompt + max_tokens - 1 "
         "is the most a request holds); external frag.: free slots in holes smaller than the "
-        "reservation the blocked head of the queue needs (0 when nobody waits for memory).", "",
-        "Identical greedy outputs across layouts: " + ", ".join(
-            f"{k}: {'yes' if v else 'NO'}" for k, v in result.get("identical_outputs", {}).items()), "",
+        "reservation the blocked head of the queue needs, counted when the free slots add up to that "
+        "reservation (so only their splitting blocks it); free: the rest (nobody waits for memory, or "
+        "the head needs more than is free even in total, as when the paged layout's head waits).", "",
+        "Requests whose greedy output equals the first layout's: " + ", ".join(
+            f"{k} {100 * v:.0f}%" for k, v in result.get("identical_outputs", {}).items())
+        + " (fp32 runs match exactly; in bf16 a different batch changes rounding, which can flip "
+        "near-ties of the logits).", "",
         "Plots: `compare_kv_memory.png`, `compare_batch_size.png`, `compare_throughput_latency.png`, "
         "`compare_utilization.png`.",
     ]

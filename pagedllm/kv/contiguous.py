@@ -176,15 +176,18 @@ class ContiguousKVCacheManager(KVCacheManager):
         """reserved: all slots of live reservations (blocks x block_size); used: tokens in them.
 
         unusable_free (external fragmentation): while the head of the queue is blocked (its last
-        admission failed), the free slots in holes smaller than its reservation; 0 otherwise, since
-        then nobody waits on memory. Internal fragmentation and not-yet-used reservation are both
-        in reserved - used (the benchmark separates them with each request's final length).
+        admission failed) although the free slots add up to its reservation, the free slots in
+        holes smaller than that reservation, i.e. the memory that only its splitting keeps from
+        use. 0 otherwise: when nobody waits on memory, or when even a compacted cache would be too
+        full for the head, which is then plain "free", as it is for the paged layout whose head
+        waits for blocks. Internal fragmentation and not-yet-used reservation are both in
+        reserved - used (the benchmark separates them with each request's final length).
         """
         bs = self.block_size
         total = self.num_blocks * bs
         reserved = self._reserved_blocks * bs
         unusable = 0
-        if self._blocked is not None:
+        if self._blocked is not None and self.num_blocks - self._reserved_blocks >= self._blocked[1]:
             need = self._blocked[1]
             unusable = sum(n for n in self._free_lens if n < need) * bs
         return KVCacheStats(total=total, reserved=reserved, used=self._used_tokens, free=total - reserved,
