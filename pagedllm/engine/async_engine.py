@@ -45,11 +45,12 @@ class RequestFailedError(RuntimeError):
     """The engine raised while this request was in flight; the request was aborted."""
 
 
-_ABORTED = object()  # sentinel put on a stream's queue by abort(): ends the iteration
-
-
 class RequestStream:
-    """Async iterator over one request's RequestOutputs (cumulative; the last one has finished=True).
+    """Async iterator over one request's RequestOutputs; the last one has finished=True.
+
+    Outputs are cumulative (each holds all text and tokens so far), so an output the consumer has
+    not read yet is simply replaced by the next one: a slow client gets fewer, larger updates and
+    holds at most one pending output, however far behind it is.
 
     Iteration ends after the finished output, or at once after ``abort()``; it raises
     RequestFailedError / EngineDeadError if the engine failed the request.
@@ -59,38 +60,53 @@ class RequestStream:
         self.request_id = request_id
         self._loop = loop
         self._engine = engine
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._latest: RequestOutput | None = None  # delivered, not yet read
+        self._error: BaseException | None = None
+        self._closed = False  # nothing more to read after what is pending
+        self._event = asyncio.Event()
         self.finished = False  # no more outputs will come: finished, failed or aborted
 
-    def _put(self, item: Any) -> None:  # on the event loop
-        self._queue.put_nowait(item)
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        if self._closed:
+            return  # aborted by the consumer: late outputs are dropped
+        if isinstance(item, BaseException):
+            self._error = item
+            self.finished = True
+        else:
+            self._latest = item
+            self.finished = self.finished or item.finished
+        self._event.set()
 
     def abort(self) -> None:
         """Stops the request (idempotent, non-blocking): its KV blocks are freed before the next step.
 
-        Call it on the stream's event loop (the queue is an asyncio.Queue).
+        Call it on the stream's event loop.
         """
         if not self.finished:
-            self.finished = True
             self._engine.abort(self.request_id)
-            self._queue.put_nowait(_ABORTED)
+        self.finished = True
+        self._closed = True
+        self._latest = None
+        self._event.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _ABORTED:
-            self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                if out.finished:
+                    self._closed = True
+                return out
+            if self._error is not None:
+                err, self._error = self._error, None
+                self._closed = True
+                raise err
+            if self._closed:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
 
 
 class AsyncLLMEngine:
@@ -216,7 +232,10 @@ class AsyncLLMEngine:
             elif kind == "abort":
                 ids = [i for i in cmd[1] if i in self._streams]
                 if ids:
-                    self.engine.abort_request(ids)
+                    try:
+                        self.engine.abort_request(ids)
+                    except Exception:  # an engine bug: log it, keep the thread alive
+                        logger.exception("aborting %s failed", ids)
                     for i in ids:
                         self._streams.pop(i, None)
                         self._last_token_time.pop(i, None)
@@ -226,12 +245,13 @@ class AsyncLLMEngine:
                 except Exception as e:
                     self._resolve(cmd[1], error=e)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, outputs delivered; False if the step raised (its requests failed)."""
         try:
             outputs = self.engine.step()
         except Exception as e:
             self._fail_all(e)
-            return
+            return False
         items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -251,6 +271,7 @@ class AsyncLLMEngine:
             items.append((stream, out))
         if items:
             self._deliver(items)
+        return True
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: fail and abort every request in flight, keep the engine usable."""
@@ -278,7 +299,10 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait()
                     continue
-                self._step()
+                if not self._step():
+                    # Pause briefly (commands still wake us): should the engine keep requests we
+                    # could not abort, failing steps must not spin the CPU.
+                    self._wake.wait(0.05)
         except BaseException as e:  # a bug in the loop itself: make it visible, fail everyone
             logger.exception("engine thread crashed")
             self._deliver(

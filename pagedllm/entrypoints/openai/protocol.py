@@ -8,7 +8,8 @@ explicit ``null`` meaning "the default", because some clients send nulls.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+import reprlib
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,6 +139,13 @@ def to_sampling_params(
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {n}.", param="n")
+    # Bounded here because the engine creates best_of sequences at once: 2**64 would hang it.
+    if best_of is not None and not n <= best_of <= MAX_N:
+        raise APIError(f"best_of must be between n ({n}) and {MAX_N}, got {best_of}.", param="best_of")
+    if best_of is not None and best_of > n and req.stream:
+        raise APIError(
+            "best_of > n cannot be streamed: the best n are only known at the end.", param="best_of"
+        )
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
     kwargs: dict[str, Any] = {
@@ -189,7 +197,7 @@ def validation_error_message(errors: list[dict]) -> tuple[str, str | None]:
         e = errs[0]
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         if e.get("type") == "missing":
-            parts.append(f"'{field}' is a required property.")
+            parts.append(f"'{loc}' is a required property.")
         elif len(errs) > 1:  # a union field: every alternative failed
             parts.append(f"Invalid type for '{field}': got {_short(e.get('input'))} ({e.get('msg')}).")
         else:
@@ -198,9 +206,10 @@ def validation_error_message(errors: list[dict]) -> tuple[str, str | None]:
     return " ".join(parts) or "Invalid request.", first or None
 
 
+_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_REPR.maxstring, _REPR.maxlist, _REPR.maxdict, _REPR.maxother = 40, 6, 4, 40
+
+
 def _short(value: Any) -> str:
-    s = repr(value)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-FinishReason = Literal["stop", "length", "abort"] | None
+    """A bounded repr: the offending value may be a megabyte-long list."""
+    return _REPR.repr(value)

@@ -91,14 +91,14 @@ class OpenAIServingChat(OpenAIServing):
         except ClientDisconnected:
             return JSONResponse(APIError("Client disconnected.", 499).to_dict(), status_code=499)
         choices, completion_tokens = [], 0
-        for c in sorted(out.outputs, key=lambda c: c.index):
+        for rank, c in enumerate(out.outputs):  # engine order (best first for best_of): choices 0..n-1
             completion_tokens += len(c.token_ids)
             lp = None
             if logprobs is not None and c.logprobs is not None:
                 lp = {"content": self._logprobs(c.token_ids, c.logprobs, logprobs)}
             choices.append(
                 {
-                    "index": c.index,
+                    "index": rank,
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
@@ -129,7 +129,7 @@ class OpenAIServingChat(OpenAIServing):
             Exception
         ) as e:  # jinja errors ("roles must alternate", raise_exception(...)) are the input's fault
             raise APIError(f"Could not apply the chat template: {e}", param="messages") from e
-        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> list[dict]:
         """Chat-shaped logprobs: one entry per token, each with its top alternatives."""

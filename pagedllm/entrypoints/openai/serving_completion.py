@@ -41,7 +41,10 @@ _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event; compact JSON since a stream sends one event per token or so."""
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -76,34 +79,45 @@ def abort_all(streams: list[RequestStream]) -> None:
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields (prompt index, output) from several request streams as outputs arrive."""
+    """Yields (prompt index, output) from several request streams as outputs arrive.
+
+    Like RequestStream itself, keeps only the latest unread output per stream (outputs are
+    cumulative), so a slow client costs no memory however many prompts it sent.
+    """
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
+    latest: dict[int, RequestOutput] = {}
+    errors: list[Exception] = []
+    event = asyncio.Event()
+    running = len(streams)
 
     async def pump(i: int, s: RequestStream) -> None:
+        nonlocal running
         try:
             async for out in s:
-                queue.put_nowait((i, out))
+                latest[i] = out
+                event.set()
         except Exception as e:
-            queue.put_nowait((i, e))
+            errors.append(e)
         finally:
-            queue.put_nowait((i, done))
+            running -= 1
+            event.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
+        while True:
+            if latest:
+                i = next(iter(latest))
+                yield i, latest.pop(i)
+                continue
+            if errors:
+                raise errors[0]
+            if running == 0:
+                return
+            event.clear()
+            await event.wait()
     finally:
         for t in tasks:
             t.cancel()
@@ -146,6 +160,11 @@ class OpenAIServing:
         self.decode_tokenizer = decode_tokenizer
         self.pool = tokenizer_pool
         self.max_model_len: int = engine.engine.max_model_len
+        # No token covers more characters than the longest vocabulary entry (byte-level BPE entries
+        # are at least as long as their text), so a text longer than this many characters per token
+        # of context cannot fit: reject it before tokenizing, which for megabytes takes many seconds.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=16)
+        self.max_prompt_chars = 2 * max(longest, 1) * self.max_model_len
 
     def check_model(self, name: str | None) -> str:
         if name is None or name == "":
@@ -164,6 +183,17 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, functools.partial(fn, *args, **kwargs)
         )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenizes (in the tokenizer thread); a text too long to fit any tokenization is a 400."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(
+                f"The prompt is {len(text)} characters long: more than the {self.max_model_len} tokens "
+                f"of this model's maximum context length could hold (at most {self.max_prompt_chars} "
+                "characters).",
+                code="context_length_exceeded",
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server, lives as long
     def token_str(self, token_id: int) -> str:
@@ -265,7 +295,9 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
-            for c in out.outputs:
+            # The engine's order: sequence order, or best first when best_of > n (whose indices
+            # are then sequence ids, not 0..n-1): OpenAI numbers the n choices of a prompt 0..n-1.
+            for rank, c in enumerate(out.outputs):
                 completion_tokens += len(c.token_ids)
                 text = (engine_prompts[i]["prompt"] + c.text) if req.echo else c.text
                 logprobs = None
@@ -273,7 +305,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
                 choices.append(
                     {
-                        "index": i * n + c.index,
+                        "index": i * n + rank,
                         "text": text,
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
@@ -297,7 +329,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append({"prompt": p, "prompt_token_ids": self.tokenizer.encode(p)})
+                out.append({"prompt": p, "prompt_token_ids": self.encode(p)})
             else:
                 d: dict[str, Any] = {"prompt_token_ids": p}
                 if echo:

@@ -1,0 +1,254 @@
+"""Bad input gets a 4xx in OpenAI's error shape with a clear message, never a 5xx; the server lives on."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+from test_server import ServerProcess
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 512  # the tiny checkpoint's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = ServerProcess(
+        tiny_llama, str(tmp_path_factory.mktemp("bad_input") / "server.log"), "--served-model-name", MODEL
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, *needles: str, param: str | None = "any") -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    for n in needles:
+        assert n.lower() in err["message"].lower(), (n, err["message"])
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path,body,needles,param",
+    [
+        # malformed JSON / wrong shapes
+        ("/v1/completions", b'{"prompt": "hi",', ["JSON"], None),
+        ("/v1/completions", b"", ["JSON object"], None),
+        ("/v1/completions", b"[1, 2]", ["dictionary"], None),
+        ("/v1/completions", b"not json at all", ["JSON"], None),
+        # wrong types
+        ("/v1/completions", {**COMPLETION, "max_tokens": "abc"}, ["max_tokens", "integer"], "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "temperature": "hot"}, ["temperature"], "temperature"),
+        ("/v1/completions", {**COMPLETION, "prompt": {"text": "hi"}}, ["prompt"], "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1.5, 2]}, ["prompt"], "prompt"),
+        ("/v1/completions", {**COMPLETION, "stop": 5}, ["stop"], "stop"),
+        ("/v1/completions", {**COMPLETION, "stream_options": "yes"}, ["stream_options"], "stream_options"),
+        ("/v1/completions", {"model": MODEL}, ["prompt", "required"], "prompt"),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}, ["messages"], "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, ["role"], "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, ["messages"], "messages"),
+        # bad values (SamplingParams names the field)
+        ("/v1/completions", {**COMPLETION, "max_tokens": -1}, ["max_tokens", "-1"], "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, ["max_tokens"], "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "temperature": -0.5}, ["temperature", ">= 0"], "temperature"),
+        ("/v1/completions", {**COMPLETION, "top_p": 0}, ["top_p"], "top_p"),
+        ("/v1/completions", {**COMPLETION, "top_p": 1.5}, ["top_p"], "top_p"),
+        ("/v1/completions", {**COMPLETION, "top_k": -3}, ["top_k"], "top_k"),
+        ("/v1/completions", {**COMPLETION, "min_p": 2}, ["min_p"], "min_p"),
+        ("/v1/completions", {**COMPLETION, "presence_penalty": 3}, ["presence_penalty"], "presence_penalty"),
+        (
+            "/v1/completions",
+            {**COMPLETION, "frequency_penalty": -3},
+            ["frequency_penalty"],
+            "frequency_penalty",
+        ),
+        (
+            "/v1/completions",
+            {**COMPLETION, "repetition_penalty": 0},
+            ["repetition_penalty"],
+            "repetition_penalty",
+        ),
+        ("/v1/completions", {**COMPLETION, "n": 0}, ["n must"], "n"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 99}, ["logprobs"], "logprobs"),
+        ("/v1/completions", {**COMPLETION, "best_of": 2**64}, ["best_of"], "best_of"),
+        ("/v1/completions", {**COMPLETION, "n": 3, "best_of": 2}, ["best_of"], "best_of"),
+        ("/v1/completions", {**COMPLETION, "n": 10**6}, ["n must"], "n"),
+        ("/v1/completions", {**COMPLETION, "min_tokens": 5}, ["min_tokens"], "min_tokens"),
+        ("/v1/completions", {**COMPLETION, "stop": [""]}, ["stop"], "stop"),
+        ("/v1/completions", {**COMPLETION, "seed": 2**70}, ["seed"], "seed"),
+        ("/v1/completions", {**COMPLETION, "prompt": []}, ["prompt"], "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[]]}, ["prompt"], "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ""}, ["empty"], None),
+        ("/v1/completions", {**COMPLETION, "prompt": [5, 99999]}, ["out of range", "99999"], None),
+        ("/v1/completions", {**COMPLETION, "prompt": [5, -1]}, ["out of range"], None),
+        ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, ["echo"], "echo"),
+        ("/v1/chat/completions", {**CHAT, "temperature": -1}, ["temperature"], "temperature"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, ["logprobs"], "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, ["logprobs"], "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, ["max_tokens"], "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            ["image_url"],
+            "messages",
+        ),
+    ],
+)
+def test_bad_request_is_400(http, path, body, needles, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    err = assert_error(r, 400, *needles, param=param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_prompt_too_long_names_the_numbers(http):
+    r = http.post("/v1/completions", json={**COMPLETION, "prompt": [7] * 600})
+    assert_error(r, 400, "600", str(MAX_MODEL_LEN))
+    r = http.post("/v1/completions", json={**COMPLETION, "prompt": [7] * 500, "max_tokens": 100})
+    err = assert_error(r, 400, "600", "500", "100", str(MAX_MODEL_LEN))
+    assert err["code"] == "context_length_exceeded"
+    r = http.post(
+        "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "fox " * 600}]}
+    )
+    assert_error(r, 400, str(MAX_MODEL_LEN))
+    # one bad prompt in a batch rejects the whole request, and queues nothing
+    r = http.post("/v1/completions", json={**COMPLETION, "prompt": [[1, 2], [7] * 600]})
+    assert_error(r, 400, "600")
+
+
+def test_unknown_fields_are_ignored(http):
+    r = http.post(
+        "/v1/completions", json={**COMPLETION, "not_a_field": {"x": [1]}, "logit_bias": {}, "user": "u1"}
+    )
+    assert r.status_code == 200, r.text
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            **CHAT,
+            "response_format": {"type": "text"},
+            "whatever": 1,
+            "messages": [{"role": "user", "content": "hi", "name": "bob"}],
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_unknown_model_is_404(http, server):
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        err = assert_error(http.post(path, json={**body, "model": "gpt-17"}), 404, "gpt-17", param="model")
+        assert err["code"] == "model_not_found"
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=1)
+    assert_error(http.get("/v1/no-such-route"), 404)
+
+
+def test_huge_body_is_413(http):
+    huge = json.dumps({**COMPLETION, "prompt": "a" * (9 * 2**20)}).encode()
+    err = assert_error(
+        http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}),
+        413,
+        "too large",
+        str(8 * 2**20),
+    )
+    assert err["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit must hold on the bytes actually sent
+        for i in range(0, len(huge), 2**20):
+            yield huge[i : i + 2**20]
+
+    assert_error(
+        http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}),
+        413,
+        "too large",
+    )
+    # just under the limit passes the size check; the prompt is then too long (said before tokenizing
+    # 7 MiB, which would take many seconds)
+    r = http.post("/v1/completions", json={**COMPLETION, "prompt": "a" * (7 * 2**20)})
+    assert_error(r, 400, "characters", str(MAX_MODEL_LEN))
+
+
+def test_fuzzed_fields_never_5xx(http):
+    rng = random.Random(0)
+    values = [None, True, -1, 0, 2**64, -1e308, 1e308, float("nan"), "", "x" * 50, [], [1, "a"], {"a": 1}]
+    fields = [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "n",
+        "best_of",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "echo",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "min_tokens",
+        "stream",
+        "stream_options",
+        "user",
+        "model",
+        "skip_special_tokens",
+        "suffix",
+    ]
+    statuses = set()
+    for f in fields:
+        for v in values:
+            body = json.dumps({**COMPLETION, "max_tokens": 1, f: v}, allow_nan=True)
+            r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            statuses.add(r.status_code)
+            assert r.status_code < 500, (f, v, r.status_code, r.text)
+            if r.status_code != 200:
+                assert r.json()["error"]["message"]
+    chat_fields = [
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+    ]
+    for f in chat_fields:
+        for v in rng.sample(values, 8):
+            body = json.dumps({**CHAT, "max_tokens": 1, f: v}, allow_nan=True)
+            r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code < 500, (f, v, r.status_code, r.text)
+    assert 200 in statuses and 400 in statuses
+
+
+def test_server_healthy_and_clean_afterwards(http, server):
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    s = server.wait_idle()
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_step_errors"] == 0
+    assert "Traceback" not in server.log_tail(1_000_000), server.log_tail()
