@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_LAYOUTS = ("paged", "contiguous")
 _RESERVE_POLICIES = ("max", "pow2", "oracle")
+_PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass
@@ -29,7 +30,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # "recompute" | "swap" | "auto" (swap n > 1 / beam groups, recompute the rest): see scheduler.py
     preemption_mode: str = "recompute"
+    swap_space_gib: float = 4.0  # host-memory KV pool for swapping (allocated only if the mode can swap)
+    num_swap_blocks: int | None = None  # overrides swap_space_gib when set
     # Runtime
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     attention_backend: str = "auto"  # "auto": compiled CPU decode kernel when it builds; "torch": reference
@@ -55,8 +59,14 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}.")
         if self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}.")
-        if self.preemption_mode not in ("recompute",):
-            raise ValueError(f"preemption_mode must be 'recompute', got {self.preemption_mode!r}.")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}.")
+        if not self.swap_space_gib >= 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib!r}.")
+        if self.num_swap_blocks is not None and (
+                not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
+            raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -4,6 +4,10 @@ Order as in vLLM: penalties, min_tokens masking, then greedy argmax or temperatu
 top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw distribution.
 Random draws use the exponential-race trick (argmax p / Exp(1)), with a per-request
 generator when the request has a seed, so its tokens do not depend on its batch.
+
+Parallel sampling (n > 1): a request's first sample also draws one token for each sequence that
+will fork off it (``Request.fork_children``), from the same distribution, each with its own
+generator. Those extra rows come back in the output, named by ``SamplerOutput.requests``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ class SamplerOutput:
     token_ids: list[int]
     chosen_logprobs: list[float]  # log p(token) under the raw model distribution
     top_logprobs: list[dict[int, float] | None]  # per row: token id -> logprob (chosen + top-N)
+    # The sequence of each row when the sampler added rows for forking sequences; None: the
+    # rows are exactly the requests it was given.
+    requests: list[Request] | None = None
 
 
 class Sampler:
@@ -30,10 +37,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits.clone(), requests)
-        token_ids = self._choose(logits, requests)
-        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        expanded = None
+        if any(r.fork_children for r in requests):
+            rows = [i for i, r in enumerate(requests) for _ in range(1 + len(r.fork_children))]
+            expanded = [x for r in requests for x in (r, *r.fork_children)]
+            logits, requests = logits[torch.tensor(rows, dtype=torch.long)], expanded
+        # Logprobs are of the raw distribution (tempered for beam rows that ask): log p = logit - lse.
+        # Only rows that return top-N logprobs get a full log-softmax; the rest need one logsumexp.
+        temps = torch.tensor([r.logprob_temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
+        scored = logits if bool((temps == 1.0).all()) else logits / temps
+        lse = torch.logsumexp(scored, dim=-1, keepdim=True)
+        processed = self._apply_penalties(logits.clone(), requests) if _needs_penalties(requests) else logits
+        token_ids = self._choose(processed, requests)
+        chosen = (scored.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
         ids = token_ids.tolist()
         chosen_l = chosen.tolist()
         top: list[dict[int, float] | None] = []
@@ -45,11 +61,12 @@ class Sampler:
             d = {ids[i]: chosen_l[i]}
             if n > 0:
                 # More than the vocabulary asked for: return them all (topk would raise mid-step).
-                vals, idx = raw_logprobs[i].topk(min(n, raw_logprobs.shape[1]))
+                vals, idx = scored[i].topk(min(n, scored.shape[1]))
+                vals = vals - lse[i]
                 for t, v in zip(idx.tolist(), vals.tolist(), strict=True):
                     d.setdefault(t, v)
             top.append(d)
-        return SamplerOutput(ids, chosen_l, top)
+        return SamplerOutput(ids, chosen_l, top, expanded)
 
     # ---- logits processing ---------------------------------------------------------------
     @staticmethod
@@ -76,7 +93,8 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        out = logits.argmax(dim=-1)
+        # max().indices is argmax (first maximum on ties) but ~3x faster on the CPU
+        out = logits.max(dim=-1).indices
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not random_rows:
             return out
@@ -91,6 +109,16 @@ class Sampler:
             q[j].exponential_(generator=requests[i].generator or self.generator)
         out[rows] = (probs / q).argmax(dim=-1)
         return out
+
+
+def _needs_penalties(requests: list[Request]) -> bool:
+    for r in requests:
+        sp = r.sampling_params
+        if sp.repetition_penalty != 1.0 or r.num_output_tokens < sp.min_tokens:
+            return True
+        if (sp.frequency_penalty or sp.presence_penalty) and r.output_token_ids:
+            return True
+    return False
 
 
 def _filter(logits: torch.Tensor, params) -> torch.Tensor:

@@ -39,8 +39,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Appends a token; returns the stop string if one now appears (text is then final)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Appends a token; returns the stop string if one now appears (text is then final).
+
+        With check_stop False (min_tokens not reached yet) the new text is not searched.
+        """
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
@@ -51,7 +54,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         old_len = len(self.text)
         self.text += delta
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         search_from = max(0, old_len - self._max_stop_len + 1)
         best = None

@@ -142,8 +142,11 @@ def test_cache_block_first_writer_wins_and_disabled_cache():
 # ---- state machine --------------------------------------------------------------------------
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(1, 8), caching=st.booleans())
-    def setup(self, num_blocks, caching):
+    CACHING = True
+
+    @initialize(num_blocks=st.integers(1, 8))
+    def setup(self, num_blocks):
+        caching = self.CACHING
         self.pool = BlockPool(num_blocks, enable_caching=caching)
         self.n = num_blocks
         self.caching = caching
@@ -183,14 +186,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.cached_free_order = self.cached_free_order[n - k:]
         self.refs.extend(got)
 
-    @rule(data=st.data())
-    def allocate_too_many(self, data):
-        n = len(self.free_blocks()) + data.draw(st.integers(1, 3), label="excess")
-        before = (list(self.pool.ref_cnt), list(self.pool.block_hash), self.pool.num_free_blocks)
-        with pytest.raises(RuntimeError):
-            self.pool.allocate(n)
-        assert (list(self.pool.ref_cnt), list(self.pool.block_hash), self.pool.num_free_blocks) == before
-
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
     def share(self, data):
@@ -210,7 +205,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
     def free_many(self, data):
-        """Drops several references in one call (a sequence's table, tail first)."""
+        """Drops several references in one call (like freeing a whole block table)."""
         idx = data.draw(
             st.lists(st.integers(0, len(self.refs) - 1), unique=True, min_size=1, max_size=len(self.refs)),
             label="refs",
@@ -226,16 +221,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
             if c[b] == 0 and b in self.hash_of:
                 self.cached_free_order.append(b)
 
-    @rule(data=st.data())
-    def double_free(self, data):
-        free = sorted(self.free_blocks())
-        if not free:
-            return
-        b = data.draw(st.sampled_from(free), label="block")
-        before = (list(self.pool.ref_cnt), self.pool.num_free_blocks)
+    @rule(data=st.data(), excess=st.integers(1, 3))
+    def misuse(self, data, excess):
+        """Over-allocation and double free both raise and change nothing."""
+        before = (list(self.pool.ref_cnt), list(self.pool.block_hash), self.pool.num_free_blocks)
         with pytest.raises(RuntimeError):
-            self.pool.free([b])
-        assert (list(self.pool.ref_cnt), self.pool.num_free_blocks) == before
+            self.pool.allocate(len(self.free_blocks()) + excess)
+        free = sorted(self.free_blocks())
+        if free:
+            b = data.draw(st.sampled_from(free), label="block")
+            with pytest.raises(RuntimeError):
+                self.pool.free([b])
+        assert (list(self.pool.ref_cnt), list(self.pool.block_hash), self.pool.num_free_blocks) == before
 
     @precondition(lambda self: self.refs)
     @rule(data=st.data(), h=st.sampled_from(HASHES))
@@ -245,19 +242,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if self.caching and b not in self.hash_of and self.block_cached_under(h) is None:
             self.hash_of[b] = h
 
-    @rule(h=st.sampled_from(HASHES))
-    def lookup(self, h):
-        got = self.pool.lookup(h)
-        assert got == self.block_cached_under(h)
-        if got is not None:
-            assert self.pool.block_hash[got] == h
-
-    @rule(h=st.sampled_from(HASHES))
-    def cache_hit(self, h):
-        """The manager's path: look a prefix up and take a reference on the hit."""
+    @rule(h=st.sampled_from(HASHES), take=st.booleans())
+    def lookup(self, h, take):
+        """A lookup; with ``take``, the manager's path: take a reference on the hit."""
+        queries, hits = self.pool.num_cache_queries, self.pool.num_cache_hits
         b = self.pool.lookup(h)
         assert b == self.block_cached_under(h)
-        if b is None:
+        assert self.pool.num_cache_queries == queries + 1
+        assert self.pool.num_cache_hits == hits + (b is not None)
+        if b is None or not take:
             return
         was_free = self.count()[b] == 0
         self.pool.touch([b])
@@ -303,7 +296,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.num_free_blocks == self.n
 
 
+class BlockPoolNoCachingMachine(BlockPoolMachine):
+    CACHING = False
+
+
 BlockPoolMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+BlockPoolNoCachingMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBlockPoolMachine = BlockPoolMachine.TestCase
+TestBlockPoolNoCachingMachine = BlockPoolNoCachingMachine.TestCase

@@ -15,6 +15,15 @@ from pagedllm.sampler import Sampler, _filter
 EOS = 0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The tiny model is far faster on one thread; with 2 threads on a busy 2-core box it crawls."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampler unit tests (hand-made logits, fake requests)
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +306,9 @@ def greedy(llm):
 
 def random_prompts(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(n)]
+    return [
+        {"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(n)
+    ]
 
 
 def gen(llm, prompts, params) -> list:
@@ -351,7 +362,8 @@ def _straddling_stop_string(tok, ids: list[int], text: str) -> str:
         prefix = tok.decode(ids[:i])
         b = len(prefix)
         s = text[b - 3 : b + 1]
-        if text.startswith(prefix) and len(s) == 4 and s.isascii() and s.isprintable() and text.find(s) == b - 3:
+        clean = len(s) == 4 and s.isascii() and s.isprintable()
+        if clean and text.startswith(prefix) and text.find(s) == b - 3:
             return s
     raise AssertionError(f"no stop string straddling a token boundary in {text!r}")
 
@@ -391,31 +403,32 @@ def test_stop_token_ids(llm, greedy):
     ref = greedy.outputs[0].token_ids
     stop_id = ref[6]
     first = ref.index(stop_id)
-    c = gen(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=GREEDY_LEN, stop_token_ids=[stop_id, 511]))[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY_LEN, stop_token_ids=[stop_id, 511])
+    c = gen(llm, PROMPT, sp)[0]
     assert c.finish_reason == "stop"
     assert c.stop_reason == stop_id
     assert c.token_ids == ref[: first + 1]
     assert c.token_ids[-1] == stop_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (llm_engine.step): the text of a stop_token_ids token is appended to the output text; "
-    "vLLM drops it unless include_stop_str_in_output",
-)
 def test_stop_token_text_not_in_output(llm, greedy):
     tok = llm.get_tokenizer()
     ref = greedy.outputs[0].token_ids
     for i in range(1, GREEDY_LEN):
         piece = tok.decode([ref[i]])
-        if piece.strip() and piece.isascii() and piece.isprintable() and ref[i] not in ref[:i]:
+        clean = piece.strip() and piece.isascii() and piece.isprintable()
+        if clean and ref[i] not in ref[:i] and not tok.decode(ref[:i]).endswith("\ufffd"):
             break
     else:
         raise AssertionError("no clean token in the greedy output")
     before = gen(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=i))[0].text
-    c = gen(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=GREEDY_LEN, stop_token_ids=[ref[i]]))[0]
+    assert before and not before.endswith("\ufffd")
+    base = dict(temperature=0.0, max_tokens=GREEDY_LEN, stop_token_ids=[ref[i]])
+    c = gen(llm, PROMPT, SamplingParams(include_stop_str_in_output=True, **base))[0]
+    assert c.token_ids == ref[: i + 1] and c.text == before + piece  # included on request
+    c = gen(llm, PROMPT, SamplingParams(**base))[0]
     assert c.token_ids == ref[: i + 1]
-    assert c.text == before
+    assert c.text == before  # fails today: the stop token's text is in the output
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 23])
@@ -431,14 +444,16 @@ def test_max_tokens(llm, max_tokens):
 def eos_case(llm):
     """A seeded sampled request that ends with the EOS (searched over seeds, deterministic)."""
     prompt = {"prompt_token_ids": [17, 230, 5, 88, 402]}
-    seeds = list(range(64))
-    outs = gen(llm, [prompt] * len(seeds), [SamplingParams(temperature=1.3, seed=s, max_tokens=32) for s in seeds])
-    for s, c in zip(seeds, outs, strict=True):
-        if c.finish_reason == "stop":
-            assert c.token_ids[-1] == EOS and c.stop_reason is None
-            assert EOS not in c.token_ids[:-1]
-            if len(c.token_ids) >= 3:
-                return prompt, s, c.token_ids
+    for first in range(0, 128, 16):  # in chunks: usually found in the first one
+        seeds = list(range(first, first + 16))
+        params = [SamplingParams(temperature=1.3, seed=s, max_tokens=32) for s in seeds]
+        outs = gen(llm, [prompt] * len(seeds), params)
+        for s, c in zip(seeds, outs, strict=True):
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == EOS and c.stop_reason is None
+                assert EOS not in c.token_ids[:-1]
+                if len(c.token_ids) >= 3:
+                    return prompt, s, c.token_ids
     raise AssertionError("no seed produced an EOS")
 
 
@@ -476,11 +491,6 @@ def test_min_tokens_suppresses_stop_token_ids(llm):
     assert sum(c.finish_reason == "stop" for c in outs) >= 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (llm_engine/tokenizer): stop strings end generation before min_tokens; vLLM does not "
-    "check stop strings until min_tokens tokens were generated",
-)
 def test_min_tokens_also_defers_stop_strings(llm, greedy):
     text = greedy.outputs[0].text
     s = _pick_stop_string(text, 2, start=1)

@@ -52,8 +52,14 @@ FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral")
 
 def build_model(family: str, out_dir: str, seed: int = 0) -> str:
     """Writes a tiny checkpoint of the family into out_dir (if not already there)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     wall = statistics.median(walls)
     summary = workload_summary(requests)
     n_prompt, n_out = summary["prompt_tokens_total"], summary["output_tokens_total"]
-    params = sum(p.numel() for p in engine.model.parameters())
+    params = engine.model.num_params
     peak = gemm_peak_gflops(engine.dtype)
     gemm_s = (n_prompt + n_out) * 2 * params / (peak * 1e9)
     result = {

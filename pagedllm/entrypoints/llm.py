@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
@@ -54,6 +55,42 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's offline API); one output per prompt, in order.
+
+        Selection follows Hugging Face ``generate(num_beams=beam_width, do_sample=False,
+        length_penalty=..., early_stopping=...)``; beams share KV blocks (forks + copy-on-write).
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for p in prompts:
+                ids.append(engine.add_beam_search_request(None, p, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        results = []
+        for out in self._run(ids, use_tqdm):
+            seqs = []
+            for c in out.outputs:
+                n = len(c.token_ids)
+                seqs.append(BeamSearchSequence(
+                    tokens=list(out.prompt_token_ids) + list(c.token_ids), logprobs=c.logprobs or [],
+                    cum_logprob=c.cumulative_logprob or 0.0, text=c.text, finish_reason=c.finish_reason,
+                    score=(c.cumulative_logprob or 0.0) / n ** params.length_penalty,
+                ))
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

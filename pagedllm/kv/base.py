@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from pagedllm.request import Request
+
+
+class BlockOp(NamedTuple):
+    """Physical block moves the runner performs before a step's forward, in recorded order.
+
+    kind "copy": device block -> device block (copy-on-write of a shared, partly filled block);
+    "swap_out": device -> host block; "swap_in": host -> device block. Every layer's K and V move.
+    Order matters (a block freed by a swap-out may be the destination of a later copy), so the
+    manager records them as they happen and the runner replays them in that order.
+    """
+
+    kind: Literal["copy", "swap_out", "swap_in"]
+    pairs: list[tuple[int, int]]  # (src block, dst block)
 
 
 @dataclass
@@ -24,6 +38,9 @@ class KVCacheStats:
     free: int
     unusable_free: int = 0
     shared_blocks: int = 0
+    # Blocks the block tables reference, a shared block once per sequence holding it: what the
+    # same sequences would take without sharing (paper: memory saved = 1 - reserved blocks / this).
+    logical_blocks: int = 0
 
     @property
     def waste(self) -> float:
@@ -52,7 +69,9 @@ class KVCacheManager(abc.ABC):
         """Blocks already holding this request's leading full blocks (prefix cache hits)."""
 
     @abc.abstractmethod
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
         """Makes room for ``num_new_tokens`` more tokens; False (and no change) if it cannot."""
 
     @abc.abstractmethod
@@ -81,3 +100,32 @@ class KVCacheManager(abc.ABC):
     def prefix_cache_stats(self) -> tuple[int, int]:
         """(queries, hits) in blocks; zeros for managers without a prefix cache."""
         return 0, 0
+
+    # ---- sharing and swapping (optional: managers without them keep these defaults) --------
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Makes ``child`` share all of ``parent``'s blocks (refcounts, no copy).
+
+        False means this manager cannot share, or the parent holds no blocks: the child then
+        starts with none and recomputes its tokens.
+        """
+        return False
+
+    def take_block_ops(self) -> list[BlockOp]:
+        """The block copies / swaps recorded since the last call (the scheduler passes them on)."""
+        return []
+
+    def enable_swap(self, num_host_blocks: int) -> None:
+        """Adds a host-memory pool of ``num_host_blocks`` blocks for preemption by swapping."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swapping")
+
+    @property
+    def can_swap(self) -> bool:
+        return False
+
+    def swap_out(self, requests: list[Request]) -> bool:
+        """Moves the requests' blocks to host memory (a block they share is copied once)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swapping")
+
+    def swap_in(self, requests: list[Request], reserve: int = 0) -> bool:
+        """Moves the requests' blocks back, if that leaves ``reserve`` device blocks free."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swapping")

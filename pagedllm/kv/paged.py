@@ -1,8 +1,20 @@
-"""The paged KV cache manager: block tables allocated on demand, shared through the prefix cache."""
+"""The paged KV cache manager: block tables allocated on demand, shared through the prefix cache
+and by forking (n > 1, beam search), with copy-on-write and swapping to a host-memory pool.
+
+Sharing: ``fork`` gives a child sequence its parent's whole block table and bumps the refcounts.
+Full blocks are never written again, so only the last, partly filled block can be written while
+shared: ``allocate_slots`` sees that (refcount > 1 on a block the step writes into), gives the
+writer a fresh block and records a (src, dst) copy, which the runner executes before the forward.
+The last holder of a shared block writes into it in place, so k sharers make k - 1 copies.
+
+Swapping: ``swap_out`` moves a set of sequences' blocks into a second BlockPool whose blocks live
+in host memory (a block shared inside the set is copied once and stays shared there), and
+``swap_in`` brings them back into fresh device blocks. The moves are recorded as BlockOps too.
+"""
 
 from __future__ import annotations
 
-from pagedllm.kv.base import KVCacheManager, KVCacheStats
+from pagedllm.kv.base import BlockOp, KVCacheManager, KVCacheStats
 from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
 from pagedllm.request import Request
 
@@ -24,6 +36,14 @@ class PagedKVCacheManager(KVCacheManager):
         self._hashes: dict[str, list[BlockHash]] = {}
         # How many leading blocks of the request are registered in the prefix cache.
         self._num_cached: dict[str, int] = {}
+        # Copies and swaps recorded since the scheduler last took them, in order.
+        self._ops: list[BlockOp] = []
+        # Host-memory pool for swapped-out sequences (enable_swap), and their tables in it.
+        self.host_pool: BlockPool | None = None
+        self._host_tables: dict[str, list[int]] = {}
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # ---- prefix cache --------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
@@ -54,8 +74,11 @@ class PagedKVCacheManager(KVCacheManager):
         return self.pool.num_cache_queries, self.pool.num_cache_hits
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
         rid = request.request_id
+        assert rid not in self._host_tables, f"{rid} is swapped out: swap it in before running it"
         table = self._tables.get(rid)
         cached_blocks = cached_blocks or []
         if table is None:
@@ -65,16 +88,28 @@ class PagedKVCacheManager(KVCacheManager):
             assert not cached_blocks, "cached prefix blocks are only taken at admission"
             num_computed = request.num_computed_tokens
         num_tokens = num_computed + num_new_tokens
-        num_new_blocks = cdiv(num_tokens, self.block_size) - len(table) - len(cached_blocks)
+        num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(table) - len(cached_blocks))
+        # Copy-on-write: blocks this step writes into that other sequences also hold (a forked
+        # sequence's partly filled last block). Only those; full blocks are never written.
+        first_written = num_computed // self.block_size
+        cow = [i for i in range(first_written, min(len(table), cdiv(num_tokens, self.block_size)))
+               if self.pool.ref_cnt[table[i]] > 1]
         # Cached blocks that sit in the free queue stop being free when we take them.
         num_free_taken = sum(1 for b in cached_blocks if self.pool.is_free(b))
-        if num_new_blocks > self.pool.num_free_blocks - num_free_taken:
+        if num_new_blocks + len(cow) > self.pool.num_free_blocks - num_free_taken:
             return False
         if rid not in self._tables:
             self._tables[rid] = table
             self._num_cached[rid] = len(cached_blocks)
         self.pool.touch(cached_blocks)
         table.extend(cached_blocks)
+        if cow:
+            fresh = self.pool.allocate(len(cow))
+            self._record("copy", [(table[i], b) for i, b in zip(cow, fresh, strict=True)])
+            self.pool.free(table[i] for i in cow)  # the other holders keep theirs
+            for i, b in zip(cow, fresh, strict=True):
+                table[i] = b
+            self.num_cow_copies += len(cow)
         if num_new_blocks > 0:
             table.extend(self.pool.allocate(num_new_blocks))
         self._num_tokens[rid] = max(num_tokens, self._num_tokens.get(rid, 0))
@@ -98,11 +133,103 @@ class PagedKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         rid = request.request_id
         table = self._tables.pop(rid, None)
+        host_table = self._host_tables.pop(rid, None)
         self._num_tokens.pop(rid, None)
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)
         if table:
             self.pool.free(reversed(table))
+        if host_table:
+            assert self.host_pool is not None
+            self.host_pool.free(reversed(host_table))
+
+    # ---- sharing -------------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> bool:
+        pid, cid = parent.request_id, child.request_id
+        assert cid not in self._tables and cid not in self._host_tables, f"{cid} already holds blocks"
+        if pid in self._tables:
+            tables, pool = self._tables, self.pool
+        elif pid in self._host_tables:
+            assert self.host_pool is not None
+            tables, pool = self._host_tables, self.host_pool
+        else:
+            return False  # the parent holds no blocks (preempted by recompute): the child recomputes
+        tables[cid] = list(tables[pid])
+        pool.touch(tables[cid])
+        self._num_tokens[cid] = self._num_tokens.get(pid, 0)
+        self._hashes[cid] = list(self._hashes.get(pid, []))
+        self._num_cached[cid] = self._num_cached.get(pid, 0)
+        return True
+
+    def _record(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        # Consecutive moves of one kind merge into one op: within a step no block written by
+        # one of them is read by a later one of the same kind (a fresh copy destination is never
+        # shared in the same step; a swapped-out block still read later is still referenced).
+        if self._ops and self._ops[-1].kind == kind:
+            self._ops[-1].pairs.extend(pairs)
+        else:
+            self._ops.append(BlockOp(kind, list(pairs)))  # type: ignore[arg-type]
+
+    def take_block_ops(self) -> list[BlockOp]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    # ---- swapping ------------------------------------------------------------------------
+    def enable_swap(self, num_host_blocks: int) -> None:
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False)
+
+    @property
+    def can_swap(self) -> bool:
+        return self.host_pool is not None
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._host_tables
+
+    @staticmethod
+    def _distinct(tables: list[list[int]]) -> list[int]:
+        return list(dict.fromkeys(b for t in tables for b in t))
+
+    def _move(self, requests: list[Request], src_tables: dict[str, list[int]],
+              dst_tables: dict[str, list[int]], src_pool: BlockPool, dst_pool: BlockPool, reserve: int,
+              kind: str) -> bool:
+        tables = [src_tables[r.request_id] for r in requests]
+        blocks = self._distinct(tables)
+        if len(blocks) + reserve > dst_pool.num_free_blocks:
+            return False
+        mapping = dict(zip(blocks, dst_pool.allocate(len(blocks)), strict=True))
+        self._record(kind, list(mapping.items()))
+        for r, t in zip(requests, tables, strict=True):
+            new = [mapping[b] for b in t]
+            dst_tables[r.request_id] = new
+            del src_tables[r.request_id]
+            src_pool.free(reversed(t))
+        # allocate() gave each block one reference; a block the set shares gets the rest.
+        for b, n in _count([mapping[b] for t in tables for b in t]).items():
+            if n > 1:
+                dst_pool.touch([b] * (n - 1))
+        return True
+
+    def swap_out(self, requests: list[Request]) -> bool:
+        if self.host_pool is None:
+            raise RuntimeError("swapping is not enabled (enable_swap)")
+        ok = self._move(requests, self._tables, self._host_tables, self.pool, self.host_pool, 0, "swap_out")
+        if ok:
+            self.num_swapped_out_blocks += self._num_distinct(self._host_tables, requests)
+        return ok
+
+    def swap_in(self, requests: list[Request], reserve: int = 0) -> bool:
+        assert self.host_pool is not None
+        ok = self._move(requests, self._host_tables, self._tables, self.host_pool, self.pool, reserve,
+                        "swap_in")
+        if ok:
+            self.num_swapped_in_blocks += self._num_distinct(self._tables, requests)
+            for r in requests:
+                # The new device blocks are not in the prefix cache yet: register them again.
+                self._num_cached[r.request_id] = 0
+        return ok
+
+    def _num_distinct(self, tables: dict[str, list[int]], requests: list[Request]) -> int:
+        return len(self._distinct([tables[r.request_id] for r in requests]))
 
     # ---- queries -------------------------------------------------------------------------
     def block_table(self, request_id: str) -> list[int]:
@@ -127,7 +254,9 @@ class PagedKVCacheManager(KVCacheManager):
         reserved = len(fill) * bs
         used = sum(fill.values())
         total = self.num_blocks * bs
-        return KVCacheStats(total=total, reserved=reserved, used=used, free=total - reserved, shared_blocks=shared)
+        logical = sum(len(t) for t in self._tables.values())
+        return KVCacheStats(total=total, reserved=reserved, used=used, free=total - reserved,
+                            shared_blocks=shared, logical_blocks=logical)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
@@ -136,3 +265,20 @@ class PagedKVCacheManager(KVCacheManager):
             for b in table:
                 refs[b] += 1
         assert refs == self.pool.ref_cnt, "refcounts differ from the block tables' references"
+        assert not set(self._tables) & set(self._host_tables), "a request is both on the device and swapped"
+        if self.host_pool is not None:
+            self.host_pool.check_invariants()
+            refs = [0] * self.host_pool.num_blocks
+            for table in self._host_tables.values():
+                for b in table:
+                    refs[b] += 1
+            assert refs == self.host_pool.ref_cnt, "host refcounts differ from the swapped tables' references"
+        else:
+            assert not self._host_tables
+
+
+def _count(items: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out

@@ -74,6 +74,8 @@ def load_model(
     model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
     model.eval()
     model.requires_grad_(False)
+    # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
+    model.num_params = sum(p.numel() for p in model.parameters())
     if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
         model.pack_for_cpu()
     logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)

@@ -26,3 +26,40 @@ def allocate_kv_cache(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def move_blocks(
+    src_caches: list[tuple[torch.Tensor, torch.Tensor]], dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    pairs: list[tuple[int, int]],
+) -> None:
+    """Copies whole blocks src -> dst in every layer's K and V (COW copies and swaps).
+
+    All sources are read before any destination is written (index gather, then scatter).
+    """
+    if not pairs:
+        return
+    src_dev = src_caches[0][0].device
+    dst_dev = dst_caches[0][0].device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
+    for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+        dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=False))
+        dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=False))
+
+
+def apply_block_ops(
+    ops: list, device_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> None:
+    """Replays a step's BlockOps (pagedllm.kv.base.BlockOp) in their recorded order."""
+    for op in ops:
+        if op.kind == "copy":
+            move_blocks(device_caches, device_caches, op.pairs)
+        elif op.kind == "swap_out":
+            assert host_caches is not None, "swap_out without a host KV cache"
+            move_blocks(device_caches, host_caches, op.pairs)
+        elif op.kind == "swap_in":
+            assert host_caches is not None, "swap_in without a host KV cache"
+            move_blocks(host_caches, device_caches, op.pairs)
+        else:
+            raise ValueError(f"unknown block op {op.kind!r}")

@@ -10,11 +10,15 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 from pagedllm.kv.base import KVCacheManager
 from pagedllm.request import Request
+from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.sampler import Sampler, SamplerOutput
 from pagedllm.scheduler import SchedulerOutput
 
 
 class ModelRunner:
+    # Host-memory KV cache for preemption by swapping (set by the engine when swapping is on).
+    host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -42,6 +46,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """Runs the step; returns the requests that sampled (in order) and their samples."""
+        self.apply_block_ops(sched)
         input_ids, positions, meta, sample_rows, sampling = self._prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampling:
@@ -49,6 +54,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         # Sampling runs on the host: per-request torch.Generators are CPU generators.
         return sampling, self.sampler(logits.cpu(), sampling)
+
+    @torch.inference_mode()
+    def apply_block_ops(self, sched: SchedulerOutput) -> None:
+        """Copy-on-write copies and swaps the scheduler recorded, before the forward writes anything."""
+        if sched.block_ops:
+            apply_block_ops(sched.block_ops, self.kv_caches, self.host_kv_caches)
 
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size
