@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 logger = logging.getLogger(__name__)
 
 # Bump when the output format changes, so cached conversions get redone (used in resolve's cache key).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 # Per-layer tensors: "blk.{N}.{gguf}.weight" -> "model.layers.{N}.{hf}.weight".
 _BLOCK_NAMES = {
@@ -136,8 +136,10 @@ def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
-        # The model's intended compute dtype; the weights file itself is float32 (dequantized).
-        "torch_dtype": "bfloat16",
+        # The dequantized weights are float32 values, so that is the model's own dtype and what
+        # dtype="auto" runs: rounding them to bf16 flips near-ties of a small model's logits (the
+        # default model then misses "Paris"). --dtype bfloat16 trades that for speed.
+        "torch_dtype": "float32",
         "use_cache": True,
     }
 
