@@ -7,6 +7,12 @@ from pagedllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput",
-    "BeamSearchSequence", "__version__",
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "__version__",
 ]

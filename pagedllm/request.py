@@ -22,8 +22,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -138,8 +141,15 @@ class Request:
         KV blocks and ``num_computed_tokens`` are the scheduler's and KV manager's business; the
         child starts with nothing computed. The random generator is not shared (beams are greedy).
         """
-        child = Request(request_id, self.prompt_token_ids, self.sampling_params, prompt=self.prompt,
-                        arrival_time=self.arrival_time, group_id=self.group_id, index=index)
+        child = Request(
+            request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            prompt=self.prompt,
+            arrival_time=self.arrival_time,
+            group_id=self.group_id,
+            index=index,
+        )
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob

@@ -212,8 +212,12 @@ class Scheduler:
             # Nothing runs, yet requests wait, and every running request is idle (a beam waiting for
             # its group): preempt the youngest to let the others in. (A request swapped in but not
             # yet given its slots is not idle: it runs next step.)
-            if (out.scheduled or not self.running or not self._has_runnable_outside()
-                    or any(r.num_computed_tokens < r.num_tokens for r in self.running)):
+            if (
+                out.scheduled
+                or not self.running
+                or not self._has_runnable_outside()
+                or any(r.num_computed_tokens < r.num_tokens for r in self.running)
+            ):
                 break
             out.preempted.extend(self._preempt_youngest(scheduled, None))
             admit = True
@@ -294,9 +298,13 @@ class Scheduler:
         if self._preemption_mode(victim) == "swap":
             unit = [victim]
             if victim.group_id is not None:
-                unit = [r for r in self.running
-                        if r.group_id == victim.group_id and r.request_id not in scheduled
-                        and (r is victim or r is not current)]
+                unit = [
+                    r
+                    for r in self.running
+                    if r.group_id == victim.group_id
+                    and r.request_id not in scheduled
+                    and (r is victim or r is not current)
+                ]
             if self.kv.swap_out(unit):
                 for r in unit:
                     self.running.remove(r)

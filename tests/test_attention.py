@@ -14,8 +14,16 @@ from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 from pagedllm.attention.paged_attention import paged_attention
 
 
-def build_batch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int,
-                decode_lens: list[int], prefills: list[tuple[int, int]], dtype=torch.float32):
+def build_batch(
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int,
+    decode_lens: list[int],
+    prefills: list[tuple[int, int]],
+    dtype=torch.float32,
+):
     """A random paged cache holding every sequence's context, scattered over shuffled blocks.
 
     decode_lens: context length (incl. the new token) of each decode; prefills: (context_len, query_len).
@@ -57,7 +65,9 @@ def build_batch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: in
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decodes=nd,
-        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:nd]]) if nd else None,
+        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:nd]])
+        if nd
+        else None,
         decode_seq_lens=torch.tensor(decode_lens) if nd else None,
         prefills=pf,
     )
@@ -77,7 +87,10 @@ def dense_attention(q, k_all, v_all, ctx, scale):
 
 
 CASES = [  # block_size, heads, kv_heads, head_dim
-    (1, 4, 2, 16), (16, 9, 3, 64), (128, 4, 1, 32), (16, 4, 4, 16),
+    (1, 4, 2, 16),
+    (16, 9, 3, 64),
+    (128, 4, 1, 32),
+    (16, 4, 4, 16),
 ]
 
 
@@ -90,8 +103,8 @@ def test_reference_equals_dense(block_size, h, hkv, d):
     row = 0
     for k_all, v_all, ctx in dense:
         ql = k_all.shape[0] - ctx
-        ref = dense_attention(q[row:row + ql], k_all, v_all, ctx, scale)
-        torch.testing.assert_close(out[row:row + ql], ref, atol=1e-5, rtol=1e-5)
+        ref = dense_attention(q[row : row + ql], k_all, v_all, ctx, scale)
+        torch.testing.assert_close(out[row : row + ql], ref, atol=1e-5, rtol=1e-5)
         row += ql
 
 
@@ -117,6 +130,7 @@ def test_kernel_equals_reference(block_size, h, hkv, d, dtype):
 def test_prefill_without_context_is_causal():
     q, k, v, kc, vc, meta, dense = build_batch(16, 2, 2, 8, 3, [], [(0, 12)])
     out = paged_attention(q, k, v, kc, vc, meta, 0.5)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=0.5).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.5
+    ).transpose(0, 1)
     torch.testing.assert_close(out, ref)

@@ -88,14 +88,16 @@ def test_prompt_plus_max_tokens_over_max_model_len(llm):
         assert re.search(rf"\b{number}\b", msg), (number, msg)
     assert_clean(llm)
     # the boundary fits exactly: 40 + 24 = 64
-    out = llm.generate({"prompt_token_ids": ids(40)}, SamplingParams(max_tokens=24, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids(40)}, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 24 and out.finish_reason == "length"
 
 
 def test_max_tokens_none_fills_the_context(llm):
-    out = llm.generate({"prompt_token_ids": ids(50)}, SamplingParams(max_tokens=None, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids(50)}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == MAX_LEN - 50 and out.finish_reason == "length"
 
 
@@ -106,8 +108,9 @@ def test_request_larger_than_whole_kv_cache(tiny_llama):
     assert re.search(r"\b40\b", str(e.value)) and re.search(r"\b32\b", str(e.value)), str(e.value)
     assert_clean(small)
     # exactly the whole cache is fine
-    out = small.generate({"prompt_token_ids": ids(20)}, SamplingParams(max_tokens=12, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0]
+    out = small.generate(
+        {"prompt_token_ids": ids(20)}, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 12
     assert_clean(small)
 
@@ -163,8 +166,17 @@ def test_bad_sampling_params(kwargs, field):
 
 
 def test_good_sampling_params_edge_values():
-    sp = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, max_tokens=1, min_tokens=1,
-                        logprobs=0, stop="x", repetition_penalty=0.01)
+    sp = SamplingParams(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        max_tokens=1,
+        min_tokens=1,
+        logprobs=0,
+        stop="x",
+        repetition_penalty=0.01,
+    )
     assert sp.top_k == 0 and sp.stop == ["x"] and sp.greedy
 
 

@@ -29,6 +29,7 @@ HASHES = _hashes()
 
 # ---- plain tests ----------------------------------------------------------------------------
 
+
 def test_double_free_raises():
     pool = BlockPool(2)
     [b] = pool.allocate(1)
@@ -141,6 +142,7 @@ def test_cache_block_first_writer_wins_and_disabled_cache():
 
 # ---- state machine --------------------------------------------------------------------------
 
+
 class BlockPoolMachine(RuleBasedStateMachine):
     CACHING = True
 
@@ -183,7 +185,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert got[k:] == self.cached_free_order[: n - k], "eviction is not least-recently-freed first"
         for b in got[k:]:
             del self.hash_of[b]
-        self.cached_free_order = self.cached_free_order[n - k:]
+        self.cached_free_order = self.cached_free_order[n - k :]
         self.refs.extend(got)
 
     @precondition(lambda self: self.refs)

@@ -35,6 +35,7 @@ def expected_reservation(policy: str, prompt: int, max_tokens: int, max_model_le
 
 # ---- deterministic tests --------------------------------------------------------------------
 
+
 def test_reservation_sizes_and_can_ever_fit():
     for policy in ("max", "pow2", "oracle"):
         kv = ContiguousKVCacheManager(100, 1, policy, max_model_len=64)
@@ -135,6 +136,7 @@ def test_preemption_frees_the_run_and_readmission_recomputes():
 
 # ---- the state machine ----------------------------------------------------------------------
 
+
 class ContiguousMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(1, 24),
@@ -171,8 +173,15 @@ class ContiguousMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         kv = self.kv
-        return (list(kv._free_starts), list(kv._free_lens), dict(kv._runs), dict(kv._num_tokens),
-                kv.stats().reserved, kv.stats().used, kv.num_free_blocks())
+        return (
+            list(kv._free_starts),
+            list(kv._free_lens),
+            dict(kv._runs),
+            dict(kv._num_tokens),
+            kv.stats().reserved,
+            kv.stats().used,
+            kv.num_free_blocks(),
+        )
 
     @rule(prompt=st.integers(1, 30), out=st.integers(1, 12))
     def add(self, prompt, out):
@@ -305,9 +314,15 @@ def _engine_run(model_dir: str, requests: list[dict], **kw) -> dict:
 
     from pagedllm.bench.compare import make_engine, run_workload
 
-    args = Namespace(model=model_dir, dtype="float32", num_kv_tokens=kw["num_kv_tokens"], max_model_len=128,
-                     max_num_seqs=256, max_num_batched_tokens=kw.get("max_num_batched_tokens", 2048),
-                     num_threads=1)
+    args = Namespace(
+        model=model_dir,
+        dtype="float32",
+        num_kv_tokens=kw["num_kv_tokens"],
+        max_model_len=128,
+        max_num_seqs=256,
+        max_num_batched_tokens=kw.get("max_num_batched_tokens", 2048),
+        num_threads=1,
+    )
     engine = make_engine(args, kw["layout"], kw["block_size"])
     res = run_workload(engine, requests, time_attention=True)
     assert engine.kv_manager.num_free_blocks() == engine.num_kv_blocks
@@ -352,8 +367,9 @@ def test_queueing_budget_and_block_size_4(tiny_llama, requests_and_reference):
     # Room for two 'max' reservations only (2 x 128 slots): requests wait in the queue, in order,
     # and chunked prefill (16 tokens a step) runs inside the reservation.
     reqs, ref = requests_and_reference
-    res = _engine_run(tiny_llama, reqs, layout="max", block_size=4, num_kv_tokens=2 * 128 + 3,
-                      max_num_batched_tokens=16)
+    res = _engine_run(
+        tiny_llama, reqs, layout="max", block_size=4, num_kv_tokens=2 * 128 + 3, max_num_batched_tokens=16
+    )
     assert res["outputs"] == ref["outputs"]
     assert res["max_running"] == 2
     sat = res["memory_saturated"]

@@ -35,6 +35,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = MAX_OUTPUT) -> R
 
 # ---- deterministic tests --------------------------------------------------------------------
 
+
 def _admit_and_prefill(kv: PagedKVCacheManager, req: Request, sampled: int = 0) -> list[int]:
     """Admits ``req`` and runs its whole prefill in one step, as the scheduler would."""
     cached = kv.find_cached_prefix(req)
@@ -115,12 +116,22 @@ def test_failed_admission_with_free_cached_hits_changes_nothing():
     b = make_request("b", prompt)
     hits = kv.find_cached_prefix(b)
     assert hits == [0] and kv.pool.is_free(0)
-    before = (kv.num_free_blocks(), list(kv.pool.ref_cnt), list(kv.pool.block_hash), list(kv.pool._free),
-              kv.stats())
+    before = (
+        kv.num_free_blocks(),
+        list(kv.pool.ref_cnt),
+        list(kv.pool.block_hash),
+        list(kv.pool._free),
+        kv.stats(),
+    )
     # Needs 3 blocks: the free hit plus 2 new, but only 1 block is free in all.
     assert not kv.allocate_slots(b, b.num_tokens - 4, hits)
-    assert (kv.num_free_blocks(), list(kv.pool.ref_cnt), list(kv.pool.block_hash), list(kv.pool._free),
-            kv.stats()) == before
+    assert (
+        kv.num_free_blocks(),
+        list(kv.pool.ref_cnt),
+        list(kv.pool.block_hash),
+        list(kv.pool._free),
+        kv.stats(),
+    ) == before
     with pytest.raises(KeyError):
         kv.block_table("b")
     kv.check_invariants()
@@ -151,6 +162,7 @@ def test_stats_waste_below_one_block(block_size, num_tokens):
 
 
 # ---- state machine --------------------------------------------------------------------------
+
 
 class Live:
     """What the test knows about an admitted request."""
@@ -210,7 +222,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert len(set(cached)) == len(cached)
         for i, b in enumerate(cached):
             # A hit holds exactly this request's tokens for that block.
-            assert self.content[b] == req.all_token_ids[i * self.bs:(i + 1) * self.bs], f"bad hit {b}"
+            assert self.content[b] == req.all_token_ids[i * self.bs : (i + 1) * self.bs], f"bad hit {b}"
         num_computed = len(cached) * self.bs
         num_new = min(req.num_tokens - num_computed, budget)
         before = self.snapshot()
@@ -223,7 +235,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             return False
         table = kv.block_table(rid)
         assert table[: len(cached)] == cached
-        for b in table[len(cached):]:
+        for b in table[len(cached) :]:
             assert b in free_before, f"block {b} handed out while referenced"
             self.content[b] = [None] * self.bs  # a fresh block: old contents are gone
         if cached:
@@ -236,8 +248,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         return True
 
     # ---- rules ----
-    @rule(template=st.integers(0, len(TEMPLATES) - 1), length=st.integers(1, MAX_PROMPT),
-          tail=st.lists(st.integers(0, ALPHABET - 1), max_size=3), budget=st.integers(1, 48))
+    @rule(
+        template=st.integers(0, len(TEMPLATES) - 1),
+        length=st.integers(1, MAX_PROMPT),
+        tail=st.lists(st.integers(0, ALPHABET - 1), max_size=3),
+        budget=st.integers(1, 48),
+    )
     def admit(self, template, length, tail, budget):
         prompt = (TEMPLATES[template][:length] + tail)[:MAX_PROMPT]
         rid = f"r{self.next_id}"
@@ -281,7 +297,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         table = self.kv.block_table(rid)
         assert table[: len(table_before)] == table_before, "a request's existing blocks moved"
-        for b in table[len(table_before):]:
+        for b in table[len(table_before) :]:
             assert b in free_before, f"block {b} handed out while referenced"
             self.content[b] = [None] * self.bs
         live.allocated = req.num_computed_tokens + num_new

@@ -320,9 +320,7 @@ def test_engine_seeded_runs_reproduce_across_batches(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = gen(llm, [target], sp)[0].token_ids
     others = random_prompts(5, seed=3)
-    other_params = [
-        SamplingParams(temperature=0.8, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(5)
-    ]
+    other_params = [SamplingParams(temperature=0.8, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(5)]
     other_params[1] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     other_params[3] = SamplingParams(temperature=1.2, seed=99, top_k=20, max_tokens=12, ignore_eos=True)
     prompts = others[:2] + [target] + others[2:]
@@ -433,8 +431,11 @@ def test_stop_token_text_not_in_output(llm, greedy):
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 23])
 def test_max_tokens(llm, max_tokens):
-    outs = gen(llm, random_prompts(3, seed=7), SamplingParams(temperature=0.7, max_tokens=max_tokens,
-                                                              ignore_eos=True, seed=2))
+    outs = gen(
+        llm,
+        random_prompts(3, seed=7),
+        SamplingParams(temperature=0.7, max_tokens=max_tokens, ignore_eos=True, seed=2),
+    )
     for c in outs:
         assert len(c.token_ids) == max_tokens
         assert c.finish_reason == "length" and c.stop_reason is None

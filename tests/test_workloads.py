@@ -49,8 +49,9 @@ def test_fixed_lengths_and_overrides():
     assert all(len(r["prompt_token_ids"]) == 50 and r["max_tokens"] == 9 for r in over)
     # the output override keeps the prompts of the plain workload
     base = load_workload("sharegpt", 6)
-    assert [r["prompt_token_ids"] for r in load_workload("sharegpt", 6, output_len=9)] == \
-        [r["prompt_token_ids"] for r in base]
+    assert [r["prompt_token_ids"] for r in load_workload("sharegpt", 6, output_len=9)] == [
+        r["prompt_token_ids"] for r in base
+    ]
 
 
 def test_json_files(tmp_path):

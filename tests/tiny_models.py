@@ -22,8 +22,10 @@ def build_tokenizer(out_dir: str) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     n = tok.get_vocab_size()
@@ -63,26 +65,60 @@ def build_model(family: str, out_dir: str, seed: int = 0) -> str:
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     if family == "llama":  # GQA (4 query heads, 2 KV heads), untied embeddings
-        cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                          rope_theta=10000.0, **common)
+        cfg = LlamaConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            **common,
+        )
         cls = LlamaForCausalLM
     elif family == "llama3_rope":  # llama3 rope scaling, tied embeddings, MHA
-        cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-                          rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                          **common)
+        cfg = LlamaConfig(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
         cls = LlamaForCausalLM
     elif family == "qwen2":  # q/k/v bias, MQA, tied
-        cfg = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-                          rope_theta=1000000.0, **common)
+        cfg = Qwen2Config(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            **common,
+        )
         cls = Qwen2ForCausalLM
     elif family == "mistral":  # explicit head_dim different from hidden/heads, sliding window config
-        cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-                            sliding_window=4096, rope_theta=10000.0, **common)
+        cfg = MistralConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            sliding_window=4096,
+            rope_theta=10000.0,
+            **common,
+        )
         cls = MistralForCausalLM
     else:
         raise ValueError(family)

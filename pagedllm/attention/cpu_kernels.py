@@ -38,6 +38,8 @@ def load_cpu_kernels():
             flags = ["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"]
             _module = load(name="pagedllm_cpu_kernels", sources=[src], extra_cflags=flags, verbose=False)
         except Exception as e:  # any build problem: keep serving on the reference path
-            logger.warning("pagedllm: CPU attention kernel unavailable (%s); using the PyTorch reference path", e)
+            logger.warning(
+                "pagedllm: CPU attention kernel unavailable (%s); using the PyTorch reference path", e
+            )
             _failed = True
         return _module

@@ -14,7 +14,11 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots."""
     nb, bs, hkv, d = k_cache.shape
@@ -48,7 +52,9 @@ def paged_attention(
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+):
     nd, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     bt = meta.decode_block_tables
@@ -77,7 +83,11 @@ def _prefill(q, key, value, k_cache, v_cache, p, scale):
         k, v = k.repeat_interleave(h // hkv, dim=0), v.repeat_interleave(h // hkv, dim=0)
     # 4-D (batch of 1): the CPU's fused flash kernel only takes 4-D inputs; 3-D goes to "math".
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=p.mask,
-        is_causal=p.mask is None, scale=scale,
+        q.transpose(0, 1).unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        scale=scale,
     )
     return o.squeeze(0).transpose(0, 1)

@@ -43,6 +43,7 @@ DEFAULT_OUT_DIR = os.path.join("benchmarks", "results", "compare")
 
 # ---- driving the engine ------------------------------------------------------------------------
 
+
 @contextmanager
 def kv_sampler(engine, enabled: bool = True):
     """Snapshots KV memory right after each ``schedule()``, i.e. the memory the step runs with.
@@ -143,8 +144,7 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def run_workload(engine, requests: list[dict], sample_kv: bool = True,
-                 time_attention: bool = False) -> dict:
+def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_attention: bool = False) -> dict:
     """Runs every request to exactly max_tokens (greedy, ignore_eos) and returns the measurements.
 
     Returns {"outputs": {request index: token ids}, "samples": [per step], "requests": [per request],
@@ -260,8 +260,9 @@ def memory_breakdown(samples: list[dict]) -> dict | None:
     def avg(key: str) -> float:
         return sum(s[key] * s["dt"] for s in samples) / w
 
-    used, reserved, unusable, future, internal = (avg(k) for k in ("used", "reserved", "unusable_free",
-                                                                   "future", "internal"))
+    used, reserved, unusable, future, internal = (
+        avg(k) for k in ("used", "reserved", "unusable_free", "future", "internal")
+    )
     return {
         "time_s": w,
         "token_states": used / total,
@@ -281,11 +282,18 @@ def make_engine(args: argparse.Namespace, layout: str, block_size: int, max_num_
 
     kv_layout, reserve = LAYOUTS[layout]
     cfg = EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=block_size,
-        num_kv_blocks=max(1, args.num_kv_tokens // block_size), kv_layout=kv_layout, reserve=reserve,
-        enable_prefix_caching=False, max_model_len=args.max_model_len,
-        max_num_seqs=max_num_seqs or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_threads=args.num_threads, seed=0,
+        model=args.model,
+        dtype=args.dtype,
+        block_size=block_size,
+        num_kv_blocks=max(1, args.num_kv_tokens // block_size),
+        kv_layout=kv_layout,
+        reserve=reserve,
+        enable_prefix_caching=False,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_num_seqs or args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads,
+        seed=0,
     )
     engine = LLMEngine(cfg)
     # Warm-up outside the measurement: first calls allocate and pick kernels.
@@ -295,10 +303,12 @@ def make_engine(args: argparse.Namespace, layout: str, block_size: int, max_num_
 
 def _config_record(args: argparse.Namespace, engine) -> dict:
     return {
-        "model": args.model, "model_path": engine.model_path,
+        "model": args.model,
+        "model_path": engine.model_path,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "num_kv_tokens": engine.num_kv_blocks * engine.config.block_size,
-        "max_model_len": engine.max_model_len, "max_num_seqs": engine.config.max_num_seqs,
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "num_threads": engine.config.num_threads,
     }
@@ -331,8 +341,14 @@ def _workload(args: argparse.Namespace) -> list[dict]:
     from pagedllm.models.resolve import resolve_model_path
 
     vocab = load_hf_config(resolve_model_path(args.model)).vocab_size
-    return load_workload(args.workload, args.num_prompts, args.seed, vocab,
-                         input_len=args.input_len, output_len=args.output_len)
+    return load_workload(
+        args.workload,
+        args.num_prompts,
+        args.seed,
+        vocab,
+        input_len=args.input_len,
+        output_len=args.output_len,
+    )
 
 
 def _free_engine(engine) -> None:
@@ -341,6 +357,7 @@ def _free_engine(engine) -> None:
 
 
 # ---- modes -------------------------------------------------------------------------------------
+
 
 def run_layouts(args: argparse.Namespace) -> dict:
     requests = _workload(args)
@@ -360,8 +377,10 @@ def run_layouts(args: argparse.Namespace) -> dict:
         res["block_size"] = bs
         res["num_kv_blocks"] = engine.num_kv_blocks
         _free_engine(engine)
-        _log(f"{name}: {res['engine_time_s']:.1f}s, {res['output_tok_s']:.1f} out tok/s, "
-             f"max running {res['max_running']}, waste {res['memory']['waste']:.3f}")
+        _log(
+            f"{name}: {res['engine_time_s']:.1f}s, {res['output_tok_s']:.1f} out tok/s, "
+            f"max running {res['max_running']}, waste {res['memory']['waste']:.3f}"
+        )
         outputs[name] = res.pop("outputs")
         results[name] = res
     # Greedy decoding with the same model: every layout should produce the same tokens. In fp32 it
@@ -377,13 +396,19 @@ def run_layouts(args: argparse.Namespace) -> dict:
                 sat = None
                 if p["saturated_output_tok_s"] and r["saturated_output_tok_s"]:
                     sat = p["saturated_output_tok_s"] / r["saturated_output_tok_s"]
-                ratios[name] = {"output_tok_s": p["output_tok_s"] / r["output_tok_s"],
-                                "req_s": p["req_s"] / r["req_s"], "saturated_output_tok_s": sat,
-                                "max_running": p["max_running"] / r["max_running"]}
+                ratios[name] = {
+                    "output_tok_s": p["output_tok_s"] / r["output_tok_s"],
+                    "req_s": p["req_s"] / r["req_s"],
+                    "saturated_output_tok_s": sat,
+                    "max_running": p["max_running"] / r["max_running"],
+                }
     return {
-        "mode": "compare", "config": config, "workload": {"name": args.workload, "seed": args.seed,
-                                                          **workload_summary(requests)},
-        "layouts": results, "throughput_ratio_paged_over": ratios, "identical_outputs": same,
+        "mode": "compare",
+        "config": config,
+        "workload": {"name": args.workload, "seed": args.seed, **workload_summary(requests)},
+        "layouts": results,
+        "throughput_ratio_paged_over": ratios,
+        "identical_outputs": same,
         "paper_token_states": PAPER_TOKEN_STATES,
     }
 
@@ -402,12 +427,17 @@ def run_block_sizes(args: argparse.Namespace) -> dict:
         res["block_size"] = bs
         res["num_kv_blocks"] = engine.num_kv_blocks
         _free_engine(engine)
-        _log(f"block_size {bs}: {res['output_tok_s']:.1f} out tok/s, waste {res['memory']['waste']:.3f}, "
-             f"attention {res.get('attention_ms_per_step', float('nan')):.1f} ms/step")
+        _log(
+            f"block_size {bs}: {res['output_tok_s']:.1f} out tok/s, waste {res['memory']['waste']:.3f}, "
+            f"attention {res.get('attention_ms_per_step', float('nan')):.1f} ms/step"
+        )
         results[str(bs)] = res
-    return {"mode": "block_sizes", "config": config,
-            "workload": {"name": args.workload, "seed": args.seed, **workload_summary(requests)},
-            "block_sizes": results}
+    return {
+        "mode": "block_sizes",
+        "config": config,
+        "workload": {"name": args.workload, "seed": args.seed, **workload_summary(requests)},
+        "block_sizes": results,
+    }
 
 
 def _hf_generate(model_path: str, dtype, requests: list[dict], num_threads: int | None) -> dict:
@@ -422,8 +452,14 @@ def _hf_generate(model_path: str, dtype, requests: list[dict], num_threads: int 
     def gen(ids: list[int], n: int) -> int:
         x = torch.tensor([ids])
         with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return out.shape[1] - len(ids)
 
     gen(list(range(3, 35)), 4)  # warm-up
@@ -454,38 +490,70 @@ def run_bs1(args: argparse.Namespace) -> dict:
     if not args.no_hf:
         results["hf transformers generate"] = _hf_generate(model_path, dtype, requests, args.num_threads)
         _log(f"bs1 HF: {results['hf transformers generate']['ms_per_output_token']:.2f} ms/token")
-    return {"mode": "bs1", "config": config,
-            "workload": {"name": args.workload, "seed": args.seed, **workload_summary(requests)},
-            "systems": results}
+    return {
+        "mode": "bs1",
+        "config": config,
+        "workload": {"name": args.workload, "seed": args.seed, **workload_summary(requests)},
+        "systems": results,
+    }
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-kv-tokens", type=int, default=16384,
-                        help="KV budget in token slots, the same for every layout (blocks: it // block size)")
-    parser.add_argument("--max-model-len", type=int, default=2048,
-                        help="context length; what the 'max' policy reserves (the paper's 2048)")
+    parser.add_argument(
+        "--num-kv-tokens",
+        type=int,
+        default=16384,
+        help="KV budget in token slots, the same for every layout (blocks: it // block size)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="context length; what the 'max' policy reserves (the paper's 2048)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="paged block size")
-    parser.add_argument("--contiguous-block-size", type=int, default=1,
-                        help="allocation granularity of the contiguous layouts (1 = exact to the token)")
+    parser.add_argument(
+        "--contiguous-block-size",
+        type=int,
+        default=1,
+        help="allocation granularity of the contiguous layouts (1 = exact to the token)",
+    )
     parser.add_argument("--layouts", default="paged,max,pow2,oracle")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
-    parser.add_argument("--block-sizes", default=None,
-                        help="block-size study instead (paged only), e.g. 1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--bs1", type=int, default=None, metavar="N",
-                        help="batch-size-1 mode instead: ms/output token on the first N requests")
-    parser.add_argument("--bs1-contiguous", default="max", choices=("max", "pow2", "oracle"),
-                        help="contiguous policy timed in --bs1 mode")
+    parser.add_argument(
+        "--block-sizes",
+        default=None,
+        help="block-size study instead (paged only), e.g. 1,2,4,8,16,32,64,128,256",
+    )
+    parser.add_argument(
+        "--bs1",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batch-size-1 mode instead: ms/output token on the first N requests",
+    )
+    parser.add_argument(
+        "--bs1-contiguous",
+        default="max",
+        choices=("max", "pow2", "oracle"),
+        help="contiguous policy timed in --bs1 mode",
+    )
     parser.add_argument("--no-hf", action="store_true", help="--bs1: skip HF transformers generate")
-    parser.add_argument("--timeline-points", type=int, default=1500,
-                        help="per-step samples kept in the JSON per run (plots use all)")
+    parser.add_argument(
+        "--timeline-points",
+        type=int,
+        default=1500,
+        help="per-step samples kept in the JSON per run (plots use all)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

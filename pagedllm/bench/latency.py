@@ -58,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print("RESULT " + json.dumps(result, sort_keys=True))
-    print(f"| {result['label']} | {result['dtype']} | {len(requests)} | {wall:.1f} s | "
-          f"{result['ms_per_output_token']:.2f} ms/token |")
+    print(
+        f"| {result['label']} | {result['dtype']} | {len(requests)} | {wall:.1f} s | "
+        f"{result['ms_per_output_token']:.2f} ms/token |"
+    )
     if not args.no_save:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "results.jsonl"), "a") as fh:

@@ -14,8 +14,12 @@ from collections.abc import Sequence
 
 # Fixed colours so a layout looks the same in every plot.
 LAYOUT_COLORS = {"paged": "tab:green", "max": "tab:red", "pow2": "tab:orange", "oracle": "tab:blue"}
-LAYOUT_LABELS = {"paged": "paged (vLLM)", "max": "contiguous max (Orca Max)",
-                 "pow2": "contiguous pow2 (Orca Pow2)", "oracle": "contiguous oracle (Orca Oracle)"}
+LAYOUT_LABELS = {
+    "paged": "paged (vLLM)",
+    "max": "contiguous max (Orca Max)",
+    "pow2": "contiguous pow2 (Orca Pow2)",
+    "oracle": "contiguous oracle (Orca Oracle)",
+}
 # Figure 2 categories: (result key, label, colour)
 MEMORY_PARTS = [
     ("token_states", "token states", "tab:green"),
@@ -40,8 +44,11 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def dumps_json(obj: object) -> str:
     """Indented JSON with every list of plain numbers on one line (timelines stay readable and small)."""
     text = json.dumps(obj, indent=1)
-    return re.sub(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]",
-                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    return re.sub(
+        r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]",
+        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
+        text,
+    )
 
 
 def _plt():
@@ -82,6 +89,7 @@ def _config_lines(result: dict) -> list[str]:
 
 # ---- compare ---------------------------------------------------------------------------------
 
+
 def write_compare(result: dict, out_dir: str) -> list[str]:
     layouts: dict[str, dict] = result["layouts"]
     names = list(layouts)
@@ -94,13 +102,24 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
         s = layouts[name]["samples"]
         total = s[0]["total"]
         t = [x["t"] - x["dt"] for x in s]  # a sample describes its step, from the step's start
-        parts = [[x["used"] / total for x in s],
-                 [(x["reserved"] - x["used"]) / total for x in s],
-                 [x["unusable_free"] / total for x in s],
-                 [(x["free"] - x["unusable_free"]) / total for x in s]]
-        ax.stackplot(t, *parts, step="post", colors=["tab:green", "tab:orange", "tab:purple", "lightgrey"],
-                     labels=["used (token states)", "reserved, not holding tokens",
-                             "free but unusable (external frag.)", "free"])
+        parts = [
+            [x["used"] / total for x in s],
+            [(x["reserved"] - x["used"]) / total for x in s],
+            [x["unusable_free"] / total for x in s],
+            [(x["free"] - x["unusable_free"]) / total for x in s],
+        ]
+        ax.stackplot(
+            t,
+            *parts,
+            step="post",
+            colors=["tab:green", "tab:orange", "tab:purple", "lightgrey"],
+            labels=[
+                "used (token states)",
+                "reserved, not holding tokens",
+                "free but unusable (external frag.)",
+                "free",
+            ],
+        )
         ax.set_ylim(0, 1)
         ax.set_ylabel("KV fraction")
         ax.set_title(LAYOUT_LABELS.get(name, name), fontsize=10)
@@ -112,8 +131,13 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(9, 3.5))
     for name in names:
         s = layouts[name]["samples"]
-        ax.step([x["t"] - x["dt"] for x in s], [x["running"] for x in s], where="post",
-                color=LAYOUT_COLORS.get(name), label=LAYOUT_LABELS.get(name, name))
+        ax.step(
+            [x["t"] - x["dt"] for x in s],
+            [x["running"] for x in s],
+            where="post",
+            color=LAYOUT_COLORS.get(name),
+            label=LAYOUT_LABELS.get(name, name),
+        )
     ax.set_xlabel("engine time (s)")
     ax.set_ylabel("running requests")
     ax.legend(fontsize=8)
@@ -136,10 +160,18 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
     axes[1].set_title("requests/s")
     for i, v in enumerate(vals):
         axes[1].text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
-    axes[2].bar([i - 0.2 for i in x], [layouts[n]["latency_mean_s"] for n in names], 0.4, label="mean",
-                color=colors)
-    axes[2].bar([i + 0.2 for i in x], [layouts[n]["latency_p99_s"] for n in names], 0.4, label="p99",
-                color=colors, alpha=0.5, hatch="//")
+    axes[2].bar(
+        [i - 0.2 for i in x], [layouts[n]["latency_mean_s"] for n in names], 0.4, label="mean", color=colors
+    )
+    axes[2].bar(
+        [i + 0.2 for i in x],
+        [layouts[n]["latency_p99_s"] for n in names],
+        0.4,
+        label="p99",
+        color=colors,
+        alpha=0.5,
+        hatch="//",
+    )
     axes[2].set_xticks(list(x), names)
     axes[2].set_title("request latency (s): mean, p99 (hatched)")
     files.append(save_fig(fig, os.path.join(out_dir, "compare_throughput_latency.png")))
@@ -171,25 +203,68 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
     for n in names:
         r = layouts[n]
         sat = r.get("saturated_output_tok_s")
-        rows.append([LAYOUT_LABELS.get(n, n), r["block_size"], r["max_running"], r["mean_running"],
-                     r["output_tok_s"], r["req_s"], "n/a" if sat is None else sat, r["latency_mean_s"],
-                     r["latency_p99_s"], r["norm_latency_mean_s_per_tok"], r["num_preemptions"],
-                     r["engine_time_s"], r["mean_step_ms"]])
-    lines += ["## Throughput and latency", "", md_table(
-        ["layout", "block size", "max running", "mean running", "output tok/s", "req/s",
-         "output tok/s while requests wait", "mean latency s", "p99 latency s",
-         "mean s/output token per request", "preemptions", "engine time s", "ms/step"], rows), ""]
+        rows.append(
+            [
+                LAYOUT_LABELS.get(n, n),
+                r["block_size"],
+                r["max_running"],
+                r["mean_running"],
+                r["output_tok_s"],
+                r["req_s"],
+                "n/a" if sat is None else sat,
+                r["latency_mean_s"],
+                r["latency_p99_s"],
+                r["norm_latency_mean_s_per_tok"],
+                r["num_preemptions"],
+                r["engine_time_s"],
+                r["mean_step_ms"],
+            ]
+        )
+    lines += [
+        "## Throughput and latency",
+        "",
+        md_table(
+            [
+                "layout",
+                "block size",
+                "max running",
+                "mean running",
+                "output tok/s",
+                "req/s",
+                "output tok/s while requests wait",
+                "mean latency s",
+                "p99 latency s",
+                "mean s/output token per request",
+                "preemptions",
+                "engine time s",
+                "ms/step",
+            ],
+            rows,
+        ),
+        "",
+    ]
     ratios = result.get("throughput_ratio_paged_over", {})
     if ratios:
-        def sat(v: dict) -> str:
-            return "" if v.get("saturated_output_tok_s") is None else \
-                f", {v['saturated_output_tok_s']:.2f}x while requests wait"
 
-        lines += ["Paged over each baseline (output tok/s over the whole run): " + "; ".join(
-            f"**{v['output_tok_s']:.2f}x** vs {k} (max concurrency {v['max_running']:.1f}x{sat(v)})"
-            for k, v in ratios.items()), ""]
-    for phase, key, what in (("while requests wait (saturated)", "memory_saturated", "the paper's regime"),
-                             ("whole run", "memory", "includes the drain at the end")):
+        def sat(v: dict) -> str:
+            return (
+                ""
+                if v.get("saturated_output_tok_s") is None
+                else f", {v['saturated_output_tok_s']:.2f}x while requests wait"
+            )
+
+        lines += [
+            "Paged over each baseline (output tok/s over the whole run): "
+            + "; ".join(
+                f"**{v['output_tok_s']:.2f}x** vs {k} (max concurrency {v['max_running']:.1f}x{sat(v)})"
+                for k, v in ratios.items()
+            ),
+            "",
+        ]
+    for phase, key, what in (
+        ("while requests wait (saturated)", "memory_saturated", "the paper's regime"),
+        ("whole run", "memory", "includes the drain at the end"),
+    ):
         rows = []
         for n in names:
             m = layouts[n][key]
@@ -197,12 +272,38 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
                 rows.append([LAYOUT_LABELS.get(n, n)] + ["n/a"] * 8)
                 continue
             paper = result.get("paper_token_states", {}).get(n)
-            rows.append([LAYOUT_LABELS.get(n, n), _pct(m["token_states"]), _pct(paper), _pct(m["future"]),
-                         _pct(m["internal_frag"]), _pct(m["external_frag"]), _pct(m["free"]),
-                         _pct(m["used_over_reserved"]), f"{m['time_s']:.0f}"])
-        lines += [f"## KV memory, time-averaged {phase} ({what})", "", md_table(
-            ["layout", "token states", "paper", "reserved for future tokens", "internal frag.",
-             "external frag.", "free", "used / reserved", "seconds averaged"], rows), ""]
+            rows.append(
+                [
+                    LAYOUT_LABELS.get(n, n),
+                    _pct(m["token_states"]),
+                    _pct(paper),
+                    _pct(m["future"]),
+                    _pct(m["internal_frag"]),
+                    _pct(m["external_frag"]),
+                    _pct(m["free"]),
+                    _pct(m["used_over_reserved"]),
+                    f"{m['time_s']:.0f}",
+                ]
+            )
+        lines += [
+            f"## KV memory, time-averaged {phase} ({what})",
+            "",
+            md_table(
+                [
+                    "layout",
+                    "token states",
+                    "paper",
+                    "reserved for future tokens",
+                    "internal frag.",
+                    "external frag.",
+                    "free",
+                    "used / reserved",
+                    "seconds averaged",
+                ],
+                rows,
+            ),
+            "",
+        ]
     lines += [
         "Fractions of the whole KV cache: token states + reserved for future tokens + internal frag. = "
         "reserved; + external frag. + free = 100%. Reserved for future tokens: slots a request will "
@@ -210,18 +311,24 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
         "is the most a request holds); external frag.: free slots in holes smaller than the "
         "reservation the blocked head of the queue needs, counted when the free slots add up to that "
         "reservation (so only their splitting blocks it); free: the rest (nobody waits for memory, or "
-        "the head needs more than is free even in total, as when the paged layout's head waits).", "",
-        "Requests whose greedy output equals the first layout's: " + ", ".join(
-            f"{k} {100 * v:.0f}%" for k, v in result.get("identical_outputs", {}).items())
+        "the head needs more than is free even in total, as when the paged layout's head waits).",
+        "",
+        "Requests whose greedy output equals the first layout's: "
+        + ", ".join(f"{k} {100 * v:.0f}%" for k, v in result.get("identical_outputs", {}).items())
         + " (fp32 runs match exactly; in bf16 a different batch changes rounding, which can flip "
-        "near-ties of the logits).", "",
+        "near-ties of the logits).",
+        "",
         "Plots: `compare_kv_memory.png`, `compare_batch_size.png`, `compare_throughput_latency.png`, "
         "`compare_utilization.png`.",
     ]
     attn = [(n, layouts[n].get("attention_fraction")) for n in names]
     if all(a is not None for _, a in attn):
-        lines += ["", "Share of engine time in attention (write + read of the KV cache): " + ", ".join(
-            f"{n} {100 * a:.0f}%" for n, a in attn) + "."]
+        lines += [
+            "",
+            "Share of engine time in attention (write + read of the KV cache): "
+            + ", ".join(f"{n} {100 * a:.0f}%" for n, a in attn)
+            + ".",
+        ]
     path = os.path.join(out_dir, "compare.md")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -230,6 +337,7 @@ def write_compare(result: dict, out_dir: str) -> list[str]:
 
 
 # ---- block sizes -----------------------------------------------------------------------------
+
 
 def write_block_sizes(result: dict, out_dir: str) -> list[str]:
     runs = result["block_sizes"]
@@ -262,18 +370,54 @@ def write_block_sizes(result: dict, out_dir: str) -> list[str]:
     rows = []
     for b, r in zip(sizes, rs, strict=True):
         m, ms = r["memory"], r["memory_saturated"]
-        rows.append([b, r["num_kv_blocks"], _pct(m["waste"]), _pct(ms["waste"] if ms else None),
-                     r["max_running"], r["mean_running"], r["output_tok_s"], r["req_s"], r["latency_mean_s"],
-                     r["mean_step_ms"], r.get("attention_ms_per_step", "n/a"),
-                     _pct(r.get("attention_fraction")), r["num_preemptions"]])
-    lines = ["# Block-size study (paged)", ""] + _config_lines(result) + [
-        "", md_table(["block size", "blocks", "waste (whole run)", "waste (while requests wait)",
-                      "max running", "mean running", "output tok/s", "req/s", "mean latency s", "ms/step",
-                      "attention ms/step", "attention share", "preemptions"], rows), "",
-        "Attention time: every call of the model's `paged_attention` (KV write + gather + SDPA) timed with "
-        "`perf_counter` on the CPU, where calls are synchronous; ms/step is the whole `step()` "
-        "(schedule + inputs + model + sampling).", "", "Plot: `block_sizes.png`.",
-    ]
+        rows.append(
+            [
+                b,
+                r["num_kv_blocks"],
+                _pct(m["waste"]),
+                _pct(ms["waste"] if ms else None),
+                r["max_running"],
+                r["mean_running"],
+                r["output_tok_s"],
+                r["req_s"],
+                r["latency_mean_s"],
+                r["mean_step_ms"],
+                r.get("attention_ms_per_step", "n/a"),
+                _pct(r.get("attention_fraction")),
+                r["num_preemptions"],
+            ]
+        )
+    lines = (
+        ["# Block-size study (paged)", ""]
+        + _config_lines(result)
+        + [
+            "",
+            md_table(
+                [
+                    "block size",
+                    "blocks",
+                    "waste (whole run)",
+                    "waste (while requests wait)",
+                    "max running",
+                    "mean running",
+                    "output tok/s",
+                    "req/s",
+                    "mean latency s",
+                    "ms/step",
+                    "attention ms/step",
+                    "attention share",
+                    "preemptions",
+                ],
+                rows,
+            ),
+            "",
+            "Attention time: every call of the model's `paged_attention` (KV write + gather + SDPA) timed with "
+            "`perf_counter` on the CPU, where calls are synchronous; ms/step is the whole `step()` "
+            "(schedule + inputs + model + sampling).",
+            "",
+            "Plot: `block_sizes.png`.",
+        ]
+    )
     path = os.path.join(out_dir, "block_sizes.md")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -283,17 +427,24 @@ def write_block_sizes(result: dict, out_dir: str) -> list[str]:
 
 # ---- batch size 1 ----------------------------------------------------------------------------
 
+
 def write_bs1(result: dict, out_dir: str) -> list[str]:
     rows = []
     for name, r in result["systems"].items():
         secs = r.get("engine_time_s", r.get("wall_s"))
         rows.append([name, r.get("block_size", "-"), r["output_tokens"], secs, r["ms_per_output_token"]])
-    lines = ["# Batch size 1: ms per output token", ""] + _config_lines(result) + [
-        "", md_table(["system", "block size", "output tokens", "seconds", "ms / output token"], rows), "",
-        "Engines: max_num_seqs=1, requests run one after another; time includes each prefill. HF: "
-        "`AutoModelForCausalLM.generate` (greedy, KV cache, min_new_tokens = max_new_tokens = max_tokens) "
-        "on the same checkpoint folder and dtype, one request at a time.",
-    ]
+    lines = (
+        ["# Batch size 1: ms per output token", ""]
+        + _config_lines(result)
+        + [
+            "",
+            md_table(["system", "block size", "output tokens", "seconds", "ms / output token"], rows),
+            "",
+            "Engines: max_num_seqs=1, requests run one after another; time includes each prefill. HF: "
+            "`AutoModelForCausalLM.generate` (greedy, KV cache, min_new_tokens = max_new_tokens = max_tokens) "
+            "on the same checkpoint folder and dtype, one request at a time.",
+        ]
+    )
     path = os.path.join(out_dir, "bs1.md")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -50,8 +50,10 @@ def run_requests(llm, requests: list[dict]) -> float:
     from pagedllm import SamplingParams
 
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
-              for r in requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+        for r in requests
+    ]
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -69,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, **kwargs)
     engine = llm.llm_engine
     requests = workload_from_args(args, vocab_size=engine.vocab_size)
-    run_requests(llm, [{"prompt_token_ids": r["prompt_token_ids"][:32], "max_tokens": 8} for r in requests[:4]])
+    run_requests(
+        llm, [{"prompt_token_ids": r["prompt_token_ids"][:32], "max_tokens": 8} for r in requests[:4]]
+    )
     walls = [run_requests(llm, requests) for _ in range(args.repeats)]
     wall = statistics.median(walls)
     summary = workload_summary(requests)
@@ -102,10 +106,13 @@ def run(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print("RESULT " + json.dumps(result, sort_keys=True))
-    row = (f"| {result['label']} | {result['dtype']} | {len(requests)} | {wall:.1f} | {result['output_tok_s']:.1f} "
-           f"| {result['total_tok_s']:.1f} | {result['ms_per_output_token']:.2f} | {result['roofline_fraction']:.0%} "
-           f"| {result['peak_rss_mib']:.0f} |")
-    print("| system | dtype | requests | wall s | output tok/s | total tok/s | ms/out tok | GEMM roofline | peak RSS MiB |")
+    row = (
+        f"| {result['label']} | {result['dtype']} | {len(requests)} | {wall:.1f} | {result['output_tok_s']:.1f} "
+        f"| {result['total_tok_s']:.1f} | {result['ms_per_output_token']:.2f} | {result['roofline_fraction']:.0%} "
+        f"| {result['peak_rss_mib']:.0f} |"
+    )
+    print("| system | dtype | requests | wall s | output tok/s | total tok/s | ms/out tok | GEMM roofline "
+          "| peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(row)
     if not args.no_save:

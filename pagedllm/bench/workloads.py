@@ -69,16 +69,21 @@ def _lognormal_int(rng: random.Random, d: LengthDist) -> int:
     return max(d.lo, min(d.hi, int(round(x))))
 
 
-def _synthetic(name: str, n: int, seed: int, vocab_size: int,
-               input_len: int | None, output_len: int | None) -> list[dict]:
+def _synthetic(
+    name: str, n: int, seed: int, vocab_size: int, input_len: int | None, output_len: int | None
+) -> list[dict]:
     rng = random.Random(seed)
     reqs = []
     if name == "fixed":
         if input_len is None or output_len is None:
             raise ValueError("workload 'fixed' needs input_len and output_len (--input-len, --output-len).")
         for _ in range(n):
-            reqs.append({"prompt_token_ids": [rng.randrange(MIN_ID, vocab_size) for _ in range(input_len)],
-                         "max_tokens": output_len})
+            reqs.append(
+                {
+                    "prompt_token_ids": [rng.randrange(MIN_ID, vocab_size) for _ in range(input_len)],
+                    "max_tokens": output_len,
+                }
+            )
         return reqs
     pdist, odist = DISTRIBUTIONS[name]
     for _ in range(n):
@@ -153,8 +158,12 @@ def workload_summary(requests: list[dict]) -> dict:
     def describe(xs: list[int]) -> dict:
         if not xs:
             return {}
-        return {"min": min(xs), "median": statistics.median(xs), "mean": round(statistics.mean(xs), 1),
-                "max": max(xs)}
+        return {
+            "min": min(xs),
+            "median": statistics.median(xs),
+            "mean": round(statistics.mean(xs), 1),
+            "max": max(xs),
+        }
 
     return {
         "num_requests": len(requests),
@@ -167,10 +176,17 @@ def workload_summary(requests: list[dict]) -> dict:
 
 def add_workload_args(parser: argparse.ArgumentParser, default_num_prompts: int | None = None) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", default="sharegpt",
-                   help=f"{' | '.join(SYNTHETIC)} | path to a JSON workload (default: sharegpt)")
-    g.add_argument("--num-prompts", type=int, default=default_num_prompts,
-                   help="requests to run (default: 200 for synthetic workloads, all of a file)")
+    g.add_argument(
+        "--workload",
+        default="sharegpt",
+        help=f"{' | '.join(SYNTHETIC)} | path to a JSON workload (default: sharegpt)",
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=default_num_prompts,
+        help="requests to run (default: 200 for synthetic workloads, all of a file)",
+    )
     g.add_argument("--seed", type=int, default=0, help="workload RNG seed")
     g.add_argument("--input-len", type=int, default=None, help="fixed prompt length (synthetic workloads)")
     g.add_argument("--output-len", type=int, default=None, help="fixed output length (synthetic workloads)")
@@ -178,5 +194,11 @@ def add_workload_args(parser: argparse.ArgumentParser, default_num_prompts: int 
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int = 49152) -> list[dict]:
     """Loads the workload that add_workload_args' flags describe."""
-    return load_workload(args.workload, args.num_prompts, args.seed, vocab_size,
-                         input_len=args.input_len, output_len=args.output_len)
+    return load_workload(
+        args.workload,
+        args.num_prompts,
+        args.seed,
+        vocab_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+    )

@@ -89,19 +89,36 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
 
         num_layers = len(self.model.layers)
-        per_block = kv_bytes_per_block(num_layers, config.block_size, self.model.num_kv_heads,
-                                       self.model.head_dim, self.dtype)
-        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(config.kv_cache_memory_gib, per_block)
+        per_block = kv_bytes_per_block(
+            num_layers, config.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
+        )
+        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(
+            config.kv_cache_memory_gib, per_block
+        )
         if self.num_kv_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gib={config.kv_cache_memory_gib} is less than one KV block ({per_block} bytes)."
             )
-        kv_caches = allocate_kv_cache(num_layers, self.num_kv_blocks, config.block_size, self.model.num_kv_heads,
-                                      self.model.head_dim, self.dtype, self.device)
+        kv_caches = allocate_kv_cache(
+            num_layers,
+            self.num_kv_blocks,
+            config.block_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.kv_manager = make_kv_manager(config, self.num_kv_blocks, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_caches, self.kv_manager, config.block_size, self.device, config.seed,
-                                  config.attention_backend)
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            self.kv_manager,
+            config.block_size,
+            self.device,
+            config.seed,
+            config.attention_backend,
+        )
         self._setup_swap(per_block)
         self._states: dict[str, _RequestState] = {}
         # Every live sequence's id -> its request's state (a group's sequences share one).
@@ -111,9 +128,16 @@ class LLMEngine:
         logger.info(
             "pagedllm: %s (%s) on %s, %s; KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), "
             "max_model_len %d; ready in %.1fs",
-            self.model_path, type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
-            self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
-            self.num_kv_blocks * per_block / 2**30, self.max_model_len, time.perf_counter() - t0,
+            self.model_path,
+            type(self.model).__name__,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.num_kv_blocks,
+            config.block_size,
+            self.num_kv_blocks * config.block_size,
+            self.num_kv_blocks * per_block / 2**30,
+            self.max_model_len,
+            time.perf_counter() - t0,
         )
 
     # ---- set-up helpers ------------------------------------------------------------------
@@ -127,8 +151,10 @@ class LLMEngine:
             num_host = num_blocks_for_memory(cfg.swap_space_gib, bytes_per_block)
         if num_host < 1:
             if cfg.preemption_mode == "swap":
-                raise ValueError(f"preemption_mode='swap' needs host memory: swap_space_gib="
-                                 f"{cfg.swap_space_gib} is less than one KV block ({bytes_per_block} bytes).")
+                raise ValueError(
+                    f"preemption_mode='swap' needs host memory: swap_space_gib="
+                    f"{cfg.swap_space_gib} is less than one KV block ({bytes_per_block} bytes)."
+                )
             return
         try:
             self.kv_manager.enable_swap(num_host)
@@ -138,15 +164,23 @@ class LLMEngine:
             return  # "auto": this layout only recomputes
         # Pinned host memory would make device->host copies asynchronous on CUDA; CPU: plain.
         self.runner.host_kv_caches = allocate_kv_cache(
-            len(self.model.layers), num_host, cfg.block_size, self.model.num_kv_heads, self.model.head_dim,
-            self.dtype, torch.device("cpu"))
+            len(self.model.layers),
+            num_host,
+            cfg.block_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            torch.device("cpu"),
+        )
         self.num_swap_blocks = num_host
 
     def _resolve_max_model_len(self) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         window = sliding_window(self.hf_config)
         if window is not None and window < model_len:
-            logger.warning("sliding window %d < context %d: max_model_len capped at the window", window, model_len)
+            logger.warning(
+                "sliding window %d < context %d: max_model_len capped at the window", window, model_len
+            )
             model_len = window
         want = self.config.max_model_len
         if want is None:
@@ -157,7 +191,10 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        for src in (getattr(self.hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+        for src in (
+            getattr(self.hf_config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, (list, tuple)):
@@ -189,7 +226,9 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, _token_ids(prompt)
-        raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+        raise ValueError(
+            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError if the prompt can never run; resolves max_tokens=None."""
@@ -218,7 +257,10 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
         """Validates and queues a request; raises ValueError (nothing queued) if it can never run."""
@@ -239,8 +281,18 @@ class LLMEngine:
             if seq_id in self._seq_state:
                 raise ValueError(f"request_id {request_id!r} clashes with a sequence id in use ({seq_id!r}).")
             seed = None if params.seed is None else child_seed(params.seed, i)
-            seqs.append(Request(seq_id, ids, params, prompt=text, arrival_time=arrival_time, seed=seed,
-                                group_id=group_id, index=i))
+            seqs.append(
+                Request(
+                    seq_id,
+                    ids,
+                    params,
+                    prompt=text,
+                    arrival_time=arrival_time,
+                    seed=seed,
+                    group_id=group_id,
+                    index=i,
+                )
+            )
         req = seqs[0]
         for child in seqs[1:]:
             child.fork_parent = req
@@ -251,8 +303,8 @@ class LLMEngine:
             detoks[seq.request_id] = None
             if params.detokenize:
                 detoks[seq.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, params.skip_special_tokens, params.stop,
-                    params.include_stop_str_in_output)
+                    self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                )
         state = _RequestState(req, detoks[req.request_id], seqs, detoks)
         self._states[request_id] = state
         for seq in seqs:
@@ -261,7 +313,10 @@ class LLMEngine:
         return request_id
 
     def add_beam_search_request(
-        self, request_id: str | None, prompt: PromptType, params: BeamSearchParams,
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: BeamSearchParams,
         arrival_time: float | None = None,
     ) -> str:
         """Queues one prompt's beam search; its single output comes when the search ends.
@@ -279,8 +334,14 @@ class LLMEngine:
         search = BeamSearchState(params, self.eos_token_ids)
         # Each beam runs as a greedy sequence that reports its top candidates as logprobs; the
         # group decides its next token and when it ends, so its own stop checks are off.
-        sp = SamplingParams(n=1, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
-                            logprobs=search.num_candidates, detokenize=False)
+        sp = SamplingParams(
+            n=1,
+            temperature=0.0,
+            max_tokens=params.max_tokens,
+            ignore_eos=True,
+            logprobs=search.num_candidates,
+            detokenize=False,
+        )
         self._validate_prompt(ids, sp)
         req = Request(request_id, ids, sp, prompt=text, arrival_time=arrival_time, group_id=request_id)
         req.num_pending_seqs = params.beam_width - 1
@@ -325,8 +386,11 @@ class LLMEngine:
         # The sampler adds rows for sequences forking off a request at its first token (n > 1).
         rows = samples.requests if samples.requests is not None else sampled_reqs
         # Tokens that go straight to their sequence: not beams (their group picks), not forks.
-        direct = {r.request_id: t for r, t in zip(rows, samples.token_ids, strict=True)
-                  if r.fork_parent is None and self._seq_state[r.request_id].beam is None}
+        direct = {
+            r.request_id: t
+            for r, t in zip(rows, samples.token_ids, strict=True)
+            if r.fork_parent is None and self._seq_state[r.request_id].beam is None
+        }
         self.scheduler.update_after_step(sched, direct)
         # Forks first, before any sibling can finish and free the blocks they share.
         for i, req in enumerate(rows):
@@ -368,8 +432,9 @@ class LLMEngine:
             outputs.append(self._make_output(state))
         return outputs
 
-    def _append_token(self, state: _RequestState, req: Request, logprob: float,
-                      top_logprobs: dict[int, float] | None) -> None:
+    def _append_token(
+        self, state: _RequestState, req: Request, logprob: float, top_logprobs: dict[int, float] | None
+    ) -> None:
         """Bookkeeping of a sequence's new token: logprobs, stop checks, detokenization."""
         req.cumulative_logprob += logprob
         if req.logprobs is not None:
@@ -383,7 +448,8 @@ class LLMEngine:
         if detokenizer is not None and (not stopped_by_token or sp.include_stop_str_in_output):
             # stop strings, like stop tokens, only count once min_tokens are out
             stop_str = detokenizer.add_token(
-                req.output_token_ids[-1], check_stop=req.num_output_tokens >= sp.min_tokens)
+                req.output_token_ids[-1], check_stop=req.num_output_tokens >= sp.min_tokens
+            )
             if stop_str is not None:
                 req.stop_reason = stop_str
                 status = RequestStatus.FINISHED_STOPPED
@@ -398,8 +464,10 @@ class LLMEngine:
         beams = group.beams
         tops = [group.candidates[b.request_id] for b in beams]
         group.candidates.clear()
-        nxt = group.search.step([(b.cumulative_logprob, t) for b, t in zip(beams, tops, strict=True)],
-                                [(b.output_token_ids, b.logprobs or []) for b in beams])
+        nxt = group.search.step(
+            [(b.cumulative_logprob, t) for b, t in zip(beams, tops, strict=True)],
+            [(b.output_token_ids, b.logprobs or []) for b in beams],
+        )
         if group.search.done:
             nxt = []
         # A parent picked once continues as itself; picked again, it forks first (the child
@@ -454,10 +522,16 @@ class LLMEngine:
         out = []
         for i, (hyp, toks, lps) in enumerate(state.beam.search.finished):
             shown = toks[:-1] if hyp.finish_reason == "stop" else toks
-            out.append(CompletionOutput(
-                index=i, text=self.tokenizer.decode(shown), token_ids=list(toks),
-                cumulative_logprob=hyp.cum_logprob, logprobs=list(lps), finish_reason=hyp.finish_reason,
-            ))
+            out.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(shown),
+                    token_ids=list(toks),
+                    cumulative_logprob=hyp.cum_logprob,
+                    logprobs=list(lps),
+                    finish_reason=hyp.finish_reason,
+                )
+            )
         return out
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
@@ -477,8 +551,13 @@ class LLMEngine:
             if v is not None:
                 metrics[k] = v
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=completions, finished=finished, metrics=metrics, num_cached_tokens=req.num_cached_tokens,
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     # ---- stats ---------------------------------------------------------------------------

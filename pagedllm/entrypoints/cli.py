@@ -14,8 +14,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     kwargs = engine_kwargs(args, skip=("model",))
     llm = LLM(model=args.model, **kwargs)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed_sampling)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_sampling,
+    )
     prompts = args.prompt or ["What is the capital of France?"]
     tok = llm.get_tokenizer()
     use_chat = not args.no_chat and bool(getattr(tok, "chat_template", None))

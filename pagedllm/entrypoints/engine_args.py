@@ -31,12 +31,17 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP.get(f.name))
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP.get(f.name)
+            )
             continue
         base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
         parser.add_argument(flag, type=base[0], default=f.default, help=_HELP.get(f.name))
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-            if f.name not in skip and hasattr(args, f.name)}
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in skip and hasattr(args, f.name)
+    }

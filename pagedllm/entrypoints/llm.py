@@ -84,11 +84,16 @@ class LLM:
             seqs = []
             for c in out.outputs:
                 n = len(c.token_ids)
-                seqs.append(BeamSearchSequence(
-                    tokens=list(out.prompt_token_ids) + list(c.token_ids), logprobs=c.logprobs or [],
-                    cum_logprob=c.cumulative_logprob or 0.0, text=c.text, finish_reason=c.finish_reason,
-                    score=(c.cumulative_logprob or 0.0) / n ** params.length_penalty,
-                ))
+                seqs.append(
+                    BeamSearchSequence(
+                        tokens=list(out.prompt_token_ids) + list(c.token_ids),
+                        logprobs=c.logprobs or [],
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                        score=(c.cumulative_logprob or 0.0) / n**params.length_penalty,
+                    )
+                )
             results.append(BeamSearchOutput(seqs))
         return results
 
@@ -124,16 +129,22 @@ class LLM:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations
+            {"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template)}
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> str:
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
+            raise ValueError(
+                "This model's tokenizer has no chat template; pass chat_template=... or use generate()."
+            )
         return tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )

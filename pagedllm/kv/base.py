@@ -79,20 +79,17 @@ class KVCacheManager(abc.ABC):
         """Releases everything the request holds."""
 
     @abc.abstractmethod
-    def block_table(self, request_id: str) -> list[int]:
-        ...
+    def block_table(self, request_id: str) -> list[int]: ...
 
     @abc.abstractmethod
-    def num_free_blocks(self) -> int:
-        ...
+    def num_free_blocks(self) -> int: ...
 
     @abc.abstractmethod
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a request needing ``num_tokens`` slots fits in an otherwise empty cache."""
 
     @abc.abstractmethod
-    def stats(self) -> KVCacheStats:
-        ...
+    def stats(self) -> KVCacheStats: ...
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks() / self.num_blocks

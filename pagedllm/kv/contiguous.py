@@ -190,8 +190,13 @@ class ContiguousKVCacheManager(KVCacheManager):
         if self._blocked is not None and self.num_blocks - self._reserved_blocks >= self._blocked[1]:
             need = self._blocked[1]
             unusable = sum(n for n in self._free_lens if n < need) * bs
-        return KVCacheStats(total=total, reserved=reserved, used=self._used_tokens, free=total - reserved,
-                            unusable_free=unusable)
+        return KVCacheStats(
+            total=total,
+            reserved=reserved,
+            used=self._used_tokens,
+            free=total - reserved,
+            unusable_free=unusable,
+        )
 
     def check_invariants(self) -> None:
         """Live runs and free runs tile [0, num_blocks) exactly; totals match; free runs coalesced."""

@@ -53,7 +53,7 @@ class PagedKVCacheManager(KVCacheManager):
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -92,8 +92,11 @@ class PagedKVCacheManager(KVCacheManager):
         # Copy-on-write: blocks this step writes into that other sequences also hold (a forked
         # sequence's partly filled last block). Only those; full blocks are never written.
         first_written = num_computed // self.block_size
-        cow = [i for i in range(first_written, min(len(table), cdiv(num_tokens, self.block_size)))
-               if self.pool.ref_cnt[table[i]] > 1]
+        cow = [
+            i
+            for i in range(first_written, min(len(table), cdiv(num_tokens, self.block_size)))
+            if self.pool.ref_cnt[table[i]] > 1
+        ]
         # Cached blocks that sit in the free queue stop being free when we take them.
         num_free_taken = sum(1 for b in cached_blocks if self.pool.is_free(b))
         if num_new_blocks + len(cow) > self.pool.num_free_blocks - num_free_taken:
@@ -189,9 +192,16 @@ class PagedKVCacheManager(KVCacheManager):
     def _distinct(tables: list[list[int]]) -> list[int]:
         return list(dict.fromkeys(b for t in tables for b in t))
 
-    def _move(self, requests: list[Request], src_tables: dict[str, list[int]],
-              dst_tables: dict[str, list[int]], src_pool: BlockPool, dst_pool: BlockPool, reserve: int,
-              kind: str) -> bool:
+    def _move(
+        self,
+        requests: list[Request],
+        src_tables: dict[str, list[int]],
+        dst_tables: dict[str, list[int]],
+        src_pool: BlockPool,
+        dst_pool: BlockPool,
+        reserve: int,
+        kind: str,
+    ) -> bool:
         tables = [src_tables[r.request_id] for r in requests]
         blocks = self._distinct(tables)
         if len(blocks) + reserve > dst_pool.num_free_blocks:
@@ -219,8 +229,9 @@ class PagedKVCacheManager(KVCacheManager):
 
     def swap_in(self, requests: list[Request], reserve: int = 0) -> bool:
         assert self.host_pool is not None
-        ok = self._move(requests, self._host_tables, self._tables, self.host_pool, self.pool, reserve,
-                        "swap_in")
+        ok = self._move(
+            requests, self._host_tables, self._tables, self.host_pool, self.pool, reserve, "swap_in"
+        )
         if ok:
             self.num_swapped_in_blocks += self._num_distinct(self._tables, requests)
             for r in requests:
@@ -255,8 +266,14 @@ class PagedKVCacheManager(KVCacheManager):
         used = sum(fill.values())
         total = self.num_blocks * bs
         logical = sum(len(t) for t in self._tables.values())
-        return KVCacheStats(total=total, reserved=reserved, used=used, free=total - reserved,
-                            shared_blocks=shared, logical_blocks=logical)
+        return KVCacheStats(
+            total=total,
+            reserved=reserved,
+            used=used,
+            free=total - reserved,
+            shared_blocks=shared,
+            logical_blocks=logical,
+        )
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

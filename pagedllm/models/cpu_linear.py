@@ -49,7 +49,11 @@ def pack_linears(model: nn.Module) -> int:
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            if (
+                isinstance(child, nn.Linear)
+                and child.weight.dtype == torch.bfloat16
+                and child.weight.device.type == "cpu"
+            ):
                 setattr(parent, name, PackedLinear(child))
                 n += 1
     return n

@@ -169,8 +169,13 @@ class LlamaForCausalLM(nn.Module):
         """Copies Hugging Face-named tensors (an iterable of (name, tensor)) into the fused layout."""
         own = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
         loaded = set()
         for name, t in tensors:
             if "rotary_emb" in name:
@@ -194,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             p = own[name]
             if p.shape != t.shape:
-                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}"
+                )
             with torch.no_grad():
                 p.copy_(t)
             loaded.add(name)

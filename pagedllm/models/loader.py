@@ -39,7 +39,9 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     """'auto' is the checkpoint's own dtype where the device runs it well, else float32."""
     if dtype != "auto":
         if dtype == "float16" and device.type == "cpu":
-            raise ValueError("dtype 'float16' is only supported on CUDA; use 'bfloat16' or 'float32' on the CPU.")
+            raise ValueError(
+                "dtype 'float16' is only supported on CUDA; use 'bfloat16' or 'float32' on the CPU."
+            )
         return _DTYPES[dtype]
     own = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(own, str):
@@ -62,7 +64,12 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int, pack_weights: bool = True
+    model_dir: str,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    pack_weights: bool = True,
 ) -> nn.Module:
     cls = get_model_class(hf_config)
     with torch.device("meta"):

@@ -7,7 +7,9 @@ import torch
 GIB = 1 << 30
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -16,8 +18,13 @@ def num_blocks_for_memory(memory_gib: float, bytes_per_block: int) -> int:
 
 
 def allocate_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeroed, not empty: attention multiplies masked-out slots by probability 0, and 0 * NaN
     # garbage would still poison the output.
@@ -29,7 +36,8 @@ def allocate_kv_cache(
 
 
 def move_blocks(
-    src_caches: list[tuple[torch.Tensor, torch.Tensor]], dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    src_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
     pairs: list[tuple[int, int]],
 ) -> None:
     """Copies whole blocks src -> dst in every layer's K and V (COW copies and swaps).
@@ -48,7 +56,8 @@ def move_blocks(
 
 
 def apply_block_ops(
-    ops: list, device_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ops: list,
+    device_caches: list[tuple[torch.Tensor, torch.Tensor]],
     host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> None:
     """Replays a step's BlockOps (pagedllm.kv.base.BlockOp) in their recorded order."""

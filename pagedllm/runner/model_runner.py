@@ -88,7 +88,9 @@ class ModelRunner:
                 lens.append(pos + 1)
                 tables.append(table[: pos // bs + 1])
             max_blocks = max(len(t) for t in tables)
-            decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev)
+            decode_bt = torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev
+            )
             decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
             for i, s in enumerate(decodes):
                 if s.samples:
@@ -112,10 +114,15 @@ class ModelRunner:
                 # Query i (position start + i) sees keys 0..start + i.
                 q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
                 mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
-            prefill_seqs.append(PrefillSeq(
-                query_start=q_start, query_len=n, seq_len=end,
-                block_ids=torch.tensor(table[:num_blocks], dtype=torch.long, device=dev), mask=mask,
-            ))
+            prefill_seqs.append(
+                PrefillSeq(
+                    query_start=q_start,
+                    query_len=n,
+                    seq_len=end,
+                    block_ids=torch.tensor(table[:num_blocks], dtype=torch.long, device=dev),
+                    mask=mask,
+                )
+            )
             if s.samples:
                 sample_rows.append(q_start + n - 1)
                 sampling.append(r)
