@@ -254,3 +254,14 @@ def test_error_during_a_step_leaves_engine_clean(llm, reference, monkeypatch):
     monkeypatch.undo()
     assert_clean(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(good, GREEDY, use_tqdm=False)] == expected
+
+
+def test_n_larger_than_max_num_seqs_is_rejected(tiny_llama):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    with pytest.raises(ValueError, match="best_of must be <= max_num_seqs"):
+        llm.generate([[5, 6, 7]], SamplingParams(n=2, best_of=2**64), use_tqdm=False)
+    with pytest.raises(ValueError, match="n must be <= max_num_seqs"):
+        llm.generate([[5, 6, 7]], SamplingParams(n=5), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -274,6 +274,10 @@ class LLMEngine:
         # n > 1 / best_of: sequence 0 is prefilled alone; its first sample draws a token for every
         # sequence, and the others fork off it then, sharing its prompt blocks (see step()).
         num_seqs = max(params.n, params.best_of or 1)
+        if num_seqs > self.config.max_num_seqs:
+            # A group runs together; more sequences than a step holds could never all run.
+            field = "best_of" if (params.best_of or 1) > params.n else "n"
+            raise ValueError(f"{field} must be <= max_num_seqs ({self.config.max_num_seqs}), got {num_seqs}.")
         group_id = request_id if num_seqs > 1 else None
         seqs = []
         for i in range(num_seqs):
