@@ -7,25 +7,33 @@ the block is handed out again, so eviction is least-recently-freed first.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 
 class BlockHash(NamedTuple):
-    """Identifies a full block by its whole prefix: the parent's hash chains all earlier blocks.
+    """Identifies a full block by its whole prefix.
 
-    Used as a dict key, so two hashes are only equal when their token ids are equal too; the
-    chaining through ``parent`` (a Python hash of the parent BlockHash) makes the key cover the
-    entire prefix.
+    ``parent`` is a SHA-256 digest of the parent block's BlockHash, so it covers every earlier
+    block; a dict lookup then compares the digest and this block's own token ids. A 64-bit
+    Python hash() here would let a crafted prompt collide with another user's prefix and read
+    its KV (vLLM moved to SHA-256 for the same reason).
     """
 
-    parent: int | None
+    parent: bytes | None
     token_ids: tuple[int, ...]
+
+    def digest(self) -> bytes:
+        h = hashlib.sha256(self.parent or b"")
+        h.update(array("q", self.token_ids).tobytes())
+        return h.digest()
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    return BlockHash(None if parent is None else hash(parent), tuple(token_ids))
+    return BlockHash(None if parent is None else parent.digest(), tuple(token_ids))
 
 
 class BlockPool:
