@@ -141,34 +141,26 @@ class ServerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine_stats: dict = {}
         labels = ["model_name"]
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+
+        def histogram(name: str, help_text: str, buckets: tuple | list) -> Histogram:
+            return Histogram(PREFIX + name, help_text, labels, buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
             "Histogram of time spent in the WAITING phase for a request.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            REQUEST_LATENCY_BUCKETS,
+        )
         self._success = Counter(
             PREFIX + "request_success",
             "Count of successfully processed requests.",

@@ -9,11 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import time
 
-from pagedllm.bench.throughput import run_requests
+from pagedllm.bench.throughput import common_result, run_requests
 from pagedllm.bench.workloads import add_workload_args, workload_from_args, workload_summary
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 
@@ -44,18 +42,8 @@ def run(args: argparse.Namespace) -> int:
     summary = workload_summary(requests)
     n_out = summary["output_tokens_total"]
     result = {
-        "bench": "latency",
-        "label": args.label or "pagedllm bs1",
-        "model": args.model,
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "engine": kwargs,
-        "workload": {"name": args.workload, "seed": args.seed, **summary},
-        "walls_s": [round(w, 3) for w in walls],
-        "wall_s": round(wall, 3),
-        "ms_per_output_token": round(1000 * wall / n_out, 3),
+        **common_result("latency", args.label or "pagedllm bs1", args, engine, kwargs, summary, walls),
         "output_tok_s": round(n_out / wall, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print("RESULT " + json.dumps(result, sort_keys=True))
     print(

@@ -46,13 +46,33 @@ def gemm_peak_gflops(dtype, n: int = 2048, iters: int = 10) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t) / 1e9
 
 
+def common_result(
+    bench: str, label: str, args: argparse.Namespace, engine, kwargs: dict, summary: dict, walls: list[float]
+) -> dict:
+    """Fields every offline pagedllm benchmark result carries (median wall of the timed runs)."""
+    wall = statistics.median(walls)
+    n_out = summary["output_tokens_total"]
+    return {
+        "bench": bench,
+        "label": label,
+        "model": args.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "engine": kwargs,
+        "workload": {"name": args.workload, "seed": args.seed, **summary},
+        "walls_s": [round(w, 3) for w in walls],
+        "wall_s": round(wall, 3),
+        "ms_per_output_token": round(1000 * wall / n_out, 3),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
 def run_requests(llm, requests: list[dict]) -> float:
     from pagedllm import SamplingParams
 
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
-        for r in requests
+        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False) for r in requests
     ]
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -71,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, **kwargs)
     engine = llm.llm_engine
     requests = workload_from_args(args, vocab_size=engine.vocab_size)
-    run_requests(
-        llm, [{"prompt_token_ids": r["prompt_token_ids"][:32], "max_tokens": 8} for r in requests[:4]]
-    )
+    run_requests(llm, [{"prompt_token_ids": r["prompt_token_ids"][:32], "max_tokens": 8} for r in requests[:4]])
     walls = [run_requests(llm, requests) for _ in range(args.repeats)]
     wall = statistics.median(walls)
     summary = workload_summary(requests)
@@ -82,28 +100,26 @@ def run(args: argparse.Namespace) -> int:
     peak = gemm_peak_gflops(engine.dtype)
     gemm_s = (n_prompt + n_out) * 2 * params / (peak * 1e9)
     result = {
-        "bench": "throughput",
-        "label": args.label or f"pagedllm {args.kv_layout} bs{args.block_size}",
-        "model": args.model,
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "engine": kwargs,
-        "workload": {"name": args.workload, "seed": args.seed, **summary},
-        "walls_s": [round(w, 3) for w in walls],
-        "wall_s": round(wall, 3),
+        **common_result(
+            "throughput",
+            args.label or f"pagedllm {args.kv_layout} bs{args.block_size}",
+            args,
+            engine,
+            kwargs,
+            summary,
+            walls,
+        ),
         "output_tok_s": round(n_out / wall, 2),
         "total_tok_s": round((n_prompt + n_out) / wall, 2),
         "req_s": round(len(requests) / wall, 4),
-        "ms_per_output_token": round(1000 * wall / n_out, 3),
         "model_params": params,
         "gemm_peak_gflops": round(peak, 1),
         "gemm_roofline_s": round(gemm_s, 2),
         "roofline_fraction": round(gemm_s / wall, 3),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_cache_tokens": engine.num_kv_blocks * engine.config.block_size,
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print("RESULT " + json.dumps(result, sort_keys=True))
     row = (
@@ -111,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
         f"| {result['total_tok_s']:.1f} | {result['ms_per_output_token']:.2f} | {result['roofline_fraction']:.0%} "
         f"| {result['peak_rss_mib']:.0f} |"
     )
-    print("| system | dtype | requests | wall s | output tok/s | total tok/s | ms/out tok | GEMM roofline "
-          "| peak RSS MiB |")
+    print(
+        "| system | dtype | requests | wall s | output tok/s | total tok/s | ms/out tok | GEMM roofline "
+        "| peak RSS MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     print(row)
     if not args.no_save:

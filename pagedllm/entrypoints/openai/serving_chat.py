@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +22,7 @@ from pagedllm.entrypoints.openai.serving_completion import (
     OpenAIServing,
     _ChoiceState,
     abort_all,
+    chunk_writer,
     merge_streams,
     sse,
 )
@@ -74,12 +74,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, logprobs)
         messages = [_message_dict(m) for m in req.messages]
-        kwargs = {
-            k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
-        }
-        prompt = await self.in_tokenizer_thread(
-            self._render, messages, req.add_generation_prompt is not False, kwargs
-        )
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        prompt = await self.in_tokenizer_thread(self._render, messages, req.add_generation_prompt is not False, kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.add_requests(request_id, [prompt], params, arrival)
         if req.stream:
@@ -125,9 +121,7 @@ class OpenAIServingChat(OpenAIServing):
             text = tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
-        except (
-            Exception
-        ) as e:  # jinja errors ("roles must alternate", raise_exception(...)) are the input's fault
+        except Exception as e:  # jinja errors ("roles must alternate", raise_exception(...)) are the input's fault
             raise APIError(f"Could not apply the chat template: {e}", param="messages") from e
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
@@ -169,17 +163,7 @@ class OpenAIServingChat(OpenAIServing):
         want_lp = bool(req.logprobs)
         top = req.top_logprobs or 0
 
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    **extra,
-                }
-            )
+        chunk = chunk_writer(request_id, "chat.completion.chunk", created, model)
 
         try:
             async for _, out in merge_streams(streams):
@@ -206,11 +190,7 @@ class OpenAIServingChat(OpenAIServing):
                     lp_new = want_lp and c.logprobs is not None and bool(new_ids)
                     if not delta and finish is None and not lp_new:
                         continue
-                    lp = (
-                        {"content": self._logprobs(new_ids, c.logprobs[st.num_tokens :], top)}
-                        if lp_new
-                        else None
-                    )
+                    lp = {"content": self._logprobs(new_ids, c.logprobs[st.num_tokens :], top)} if lp_new else None
                     st.text_len = max(st.text_len, len(c.text))
                     st.num_tokens = len(c.token_ids)
                     choice = {

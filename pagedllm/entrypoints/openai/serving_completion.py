@@ -47,6 +47,15 @@ def sse(data: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def chunk_writer(request_id: str, obj: str, created: int, model: str) -> Callable[..., str]:
+    """SSE writer for one streamed response: every chunk repeats the response's id/object/model."""
+
+    def chunk(choices: list[dict], **extra: Any) -> str:
+        return sse({"id": request_id, "object": obj, "created": created, "model": model, "choices": choices, **extra})
+
+    return chunk
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -180,9 +189,7 @@ class OpenAIServing:
 
     async def in_tokenizer_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Tokenizer work off the event loop: a long prompt takes a while to encode."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.pool, functools.partial(fn, *args, **kwargs)
-        )
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenizes (in the tokenizer thread); a text too long to fit any tokenization is a 400."""
@@ -340,9 +347,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append(d)
         return out
 
-    def _logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], top: int, offset: int
-    ) -> dict:
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int, offset: int) -> dict:
         """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for t, lp in zip(token_ids, logprobs, strict=False):
@@ -369,17 +374,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens: dict[int, int] = {}
         usage_null = {"usage": None} if req.include_usage else {}
 
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    **extra,
-                }
-            )
+        chunk = chunk_writer(request_id, "text_completion", created, model)
 
         try:
             async for i, out in merge_streams(streams):
@@ -398,9 +393,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     logprobs = None
                     if want_lp:
-                        logprobs = self._logprobs(
-                            new_ids, c.logprobs[st.num_tokens :], req.logprobs, st.text_offset
-                        )
+                        logprobs = self._logprobs(new_ids, c.logprobs[st.num_tokens :], req.logprobs, st.text_offset)
                         st.text_offset += sum(len(s) for s in logprobs["tokens"])
                     st.text_len = max(st.text_len, len(c.text))
                     st.num_tokens = len(c.token_ids)
