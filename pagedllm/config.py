@@ -36,7 +36,7 @@ class EngineConfig:
     num_swap_blocks: int | None = None  # overrides swap_space_gib when set
     # Runtime
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
-    attention_backend: str = "auto"  # "auto": compiled CPU decode kernel when it builds; "torch": reference
+    attention_backend: str = "auto"  # "auto": compiled CPU kernels when they build; "torch": reference
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -45,9 +45,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}.")
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
-        ):
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}.")
         if self.kv_layout not in _KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {_KV_LAYOUTS}, got {self.kv_layout!r}.")
@@ -62,14 +60,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}.")
         if self.preemption_mode not in _PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}."
-            )
+            raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}.")
         if not self.swap_space_gib >= 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib!r}.")
-        if self.num_swap_blocks is not None and (
-            not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0
-        ):
+        if self.num_swap_blocks is not None and (not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
             raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}.")
 
     @classmethod
@@ -77,7 +71,5 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(
-                f"Unknown engine argument(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}."
-            )
+            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}.")
         return cls(**kwargs)  # type: ignore[arg-type]

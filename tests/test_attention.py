@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 from pagedllm.attention.paged_attention import paged_attention
+from pagedllm.kernels import load_cpu_kernels
 
 
 def build_batch(
@@ -65,9 +65,7 @@ def build_batch(
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decodes=nd,
-        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:nd]])
-        if nd
-        else None,
+        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:nd]]) if nd else None,
         decode_seq_lens=torch.tensor(decode_lens) if nd else None,
         prefills=pf,
     )

@@ -37,13 +37,29 @@ def paged_attention(
 ) -> torch.Tensor:
     """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` for this step's tokens -> output ``[T, H, D]``."""
     write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(query)
+    return attend(query, key, value, k_cache, v_cache, meta, scale)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of this step's queries over caches that already hold this step's K/V.
+
+    Query rows may be strided (a view of a fused qkv projection); the output is contiguous.
+    """
+    out = query.new_empty(query.shape)
     nd = meta.num_decodes
     if nd and meta.decode_kernel is not None:
-        q = query[:nd].contiguous()
-        o = torch.empty_like(q)
-        meta.decode_kernel(o, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
-        out[:nd] = o
+        # The kernel writes the decode rows of the output in place.
+        meta.decode_kernel(
+            out[:nd], query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
     elif nd:
         out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
@@ -52,9 +68,7 @@ def paged_attention(
     return out
 
 
-def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-):
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
     nd, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     bt = meta.decode_block_tables

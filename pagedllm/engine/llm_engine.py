@@ -84,7 +84,14 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device, self.max_model_len)
+        cpu_kernels = None
+        if config.attention_backend == "auto" and self.device.type == "cpu":
+            from pagedllm.kernels import load_cpu_kernels
+
+            cpu_kernels = load_cpu_kernels()
+        self.model = load_model(
+            self.model_path, self.hf_config, self.dtype, self.device, self.max_model_len, cpu_kernels=cpu_kernels
+        )
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = self._eos_token_ids()
 
@@ -92,9 +99,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(
             num_layers, config.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
         )
-        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(
-            config.kv_cache_memory_gib, per_block
-        )
+        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(config.kv_cache_memory_gib, per_block)
         if self.num_kv_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gib={config.kv_cache_memory_gib} is less than one KV block ({per_block} bytes)."
@@ -117,7 +122,7 @@ class LLMEngine:
             config.block_size,
             self.device,
             config.seed,
-            config.attention_backend,
+            cpu_kernels,
         )
         self._setup_swap(per_block)
         self._states: dict[str, _RequestState] = {}
@@ -178,9 +183,7 @@ class LLMEngine:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         window = sliding_window(self.hf_config)
         if window is not None and window < model_len:
-            logger.warning(
-                "sliding window %d < context %d: max_model_len capped at the window", window, model_len
-            )
+            logger.warning("sliding window %d < context %d: max_model_len capped at the window", window, model_len)
             model_len = window
         want = self.config.max_model_len
         if want is None:
@@ -226,9 +229,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, _token_ids(prompt)
-        raise ValueError(
-            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
-        )
+        raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError if the prompt can never run; resolves max_tokens=None."""

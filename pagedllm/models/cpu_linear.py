@@ -17,15 +17,27 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+# Up to this many rows, the streaming small-M kernel (pagedllm/kernels/small_gemm.cpp) beats
+# oneDNN's blocked GEMM on the packed weight (measured: `python -m pagedllm.bench.kernels`).
+SMALL_GEMM_MAX_ROWS = 4
+
+
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    """``small_gemm``: the compiled small-M kernel, or None to always use oneDNN."""
+
+    def __init__(self, linear: nn.Linear, small_gemm=None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # The small-M kernel streams the plain row-major weight, so that stays too (2x weight memory).
+        self.small_gemm = small_gemm if small_gemm is not None and self.in_features % 32 == 0 else None
+        self.weight = w if self.small_gemm is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_gemm is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            return self.small_gemm(x.contiguous(), self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -42,7 +54,7 @@ def _packing_works() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, small_gemm=None) -> int:
     """Replaces the bf16 nn.Linear layers of a CPU model by PackedLinear; returns how many."""
     if not torch.backends.mkldnn.is_available() or not _packing_works():
         return 0
@@ -54,6 +66,6 @@ def pack_linears(model: nn.Module) -> int:
                 and child.weight.dtype == torch.bfloat16
                 and child.weight.device.type == "cpu"
             ):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, small_gemm))
                 n += 1
     return n

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_attention import paged_attention
+from pagedllm.attention.paged_attention import attend, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -46,6 +46,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
+
+    def bf16_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole cos/sin tables in bf16 (the fused CPU RoPE kernel indexes them itself), made once."""
+        if getattr(self, "_bf16", None) is None:
+            self._bf16 = (self.cos.to(torch.bfloat16).contiguous(), self.sin.to(torch.bfloat16).contiguous())
+        return self._bf16
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for this step's positions, [T, 1, D], looked up once for all layers."""
@@ -88,6 +94,20 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
+    def forward_fused(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels):
+        """The same computation with the compiled CPU kernels: RoPE and the KV-cache write in one
+        pass over the qkv projection (in place), attention reading q straight from it."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        kernels.rope_and_cache_write(
+            qkv, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads
+        )
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        o = attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.view(t, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg) -> None:
@@ -102,6 +122,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, kernels) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -135,15 +158,43 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
         self.packed_head = None
+        self.kernels = None  # compiled CPU kernels for the bf16 fast path (enable_cpu_kernels)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
+    def enable_cpu_kernels(self, kernels) -> bool:
+        """Runs bf16 CPU forwards through the fused kernels (pagedllm.kernels); False if not applicable."""
+        w = self.embed_tokens.weight
+        if kernels is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.head_dim > 512:
+            return False
+        self.kernels = kernels
+        return True
+
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(input_ids)
+        if self.kernels is not None:
+            return self._forward_fused(x, positions, kv_caches, meta)
         rope = self.rope.tables(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x, positions, kv_caches, meta):
+        """vLLM's layer shape: one residual stream updated in place, each RMSNorm fused with the
+        residual add before it (the reference computes the same sums, see DecoderLayer)."""
+        kernels = self.kernels
+        cos, sin = self.rope.bf16_tables()
+        residual = x  # the embedding lookup made a fresh tensor: safe to update in place
+        h = self.layers[0].input_layernorm(x)
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            a = layer.self_attn.forward_fused(h, positions, cos, sin, k_cache, v_cache, meta, kernels)
+            norm = layer.post_attention_layernorm
+            h = kernels.add_rms_norm(a, residual, norm.weight, norm.eps)
+            m = layer.mlp.forward_fused(h, kernels)
+            norm = self.norm if i == last else self.layers[i + 1].input_layernorm
+            h = kernels.add_rms_norm(m, residual, norm.weight, norm.eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
@@ -151,16 +202,17 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w).float()
 
-    def pack_for_cpu(self) -> int:
-        """Pre-packs bf16 matmul weights for oneDNN (see cpu_linear); returns the layers packed."""
+    def pack_for_cpu(self, small_gemm=None) -> int:
+        """Pre-packs bf16 matmul weights for oneDNN (see cpu_linear); returns the layers packed.
+        ``small_gemm``: the compiled kernel for decode steps of a few rows, or None."""
         from pagedllm.models.cpu_linear import PackedLinear, pack_linears
 
-        n = pack_linears(self.layers)
+        n = pack_linears(self.layers, small_gemm)
         if n:
             w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             head.weight = nn.Parameter(w, requires_grad=False)
-            self.packed_head = PackedLinear(head)
+            self.packed_head = PackedLinear(head, small_gemm)
             n += 1
         return n
 
@@ -199,9 +251,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             p = own[name]
             if p.shape != t.shape:
-                raise ValueError(
-                    f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}"
-                )
+                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
             with torch.no_grad():
                 p.copy_(t)
             loaded.add(name)

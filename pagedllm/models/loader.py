@@ -39,9 +39,7 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     """'auto' is the checkpoint's own dtype where the device runs it well, else float32."""
     if dtype != "auto":
         if dtype == "float16" and device.type == "cpu":
-            raise ValueError(
-                "dtype 'float16' is only supported on CUDA; use 'bfloat16' or 'float32' on the CPU."
-            )
+            raise ValueError("dtype 'float16' is only supported on CUDA; use 'bfloat16' or 'float32' on the CPU.")
         return _DTYPES[dtype]
     own = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(own, str):
@@ -70,7 +68,9 @@ def load_model(
     device: torch.device,
     max_model_len: int,
     pack_weights: bool = True,
+    cpu_kernels=None,
 ) -> nn.Module:
+    """``cpu_kernels``: the compiled kernel module (pagedllm.kernels) for the bf16 CPU fast path, or None."""
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)
@@ -84,6 +84,9 @@ def load_model(
     # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
     model.num_params = sum(p.numel() for p in model.parameters())
     if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
-        model.pack_for_cpu()
+        small_gemm = cpu_kernels.small_gemm if cpu_kernels is not None and cpu_kernels.small_gemm_available() else None
+        model.pack_for_cpu(small_gemm)
+    if cpu_kernels is not None and hasattr(model, "enable_cpu_kernels"):
+        model.enable_cpu_kernels(cpu_kernels)
     logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)
     return model

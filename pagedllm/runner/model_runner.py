@@ -27,21 +27,16 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
-        attention_backend: str = "auto",
+        cpu_kernels=None,
     ) -> None:
+        """``cpu_kernels``: the compiled CPU kernel module (pagedllm.kernels), or None for the reference."""
         self.model = model
         self.kv_caches = kv_caches
         self.kv = kv_manager
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
-        self.decode_kernel = None
-        if attention_backend == "auto" and device.type == "cpu":
-            from pagedllm.attention.cpu_kernels import load_cpu_kernels
-
-            kernels = load_cpu_kernels()
-            if kernels is not None:
-                self.decode_kernel = kernels.paged_decode_attention
+        self.decode_kernel = cpu_kernels.paged_decode_attention if cpu_kernels is not None else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
@@ -88,9 +83,7 @@ class ModelRunner:
                 lens.append(pos + 1)
                 tables.append(table[: pos // bs + 1])
             max_blocks = max(len(t) for t in tables)
-            decode_bt = torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev
-            )
+            decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev)
             decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
             for i, s in enumerate(decodes):
                 if s.samples:

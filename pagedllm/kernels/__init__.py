@@ -6,6 +6,7 @@ path, which stays the ground truth the tests compare the kernels against.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -31,15 +32,25 @@ def load_cpu_kernels():
         try:
             from torch.utils.cpp_extension import load
 
-            logger.info("pagedllm: building the CPU attention kernel (first use only; cached by torch)")
-            src = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
+            logger.info("pagedllm: building the CPU kernels (first use only; cached by torch)")
+            here = os.path.dirname(__file__)
+            sources = sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".cpp"))
+            # torch re-builds when a .cpp changes, not a header: name the build after all of them.
+            digest = hashlib.sha256()
+            for f in sorted(os.listdir(here)):
+                if f.endswith((".cpp", ".h")):
+                    with open(os.path.join(here, f), "rb") as fh:
+                        digest.update(fh.read())
             # -ffast-math lets gcc call glibc's vectorized expf; the kernel never produces inf or NaN.
             # 512-bit vectors: gcc defaults to 256 on many Intel targets.
             flags = ["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"]
-            _module = load(name="pagedllm_cpu_kernels", sources=[src], extra_cflags=flags, verbose=False)
-        except Exception as e:  # any build problem: keep serving on the reference path
-            logger.warning(
-                "pagedllm: CPU attention kernel unavailable (%s); using the PyTorch reference path", e
+            _module = load(
+                name=f"pagedllm_cpu_kernels_{digest.hexdigest()[:10]}",
+                sources=sources,
+                extra_cflags=flags,
+                verbose=False,
             )
+        except Exception as e:  # any build problem: keep serving on the reference path
+            logger.warning("pagedllm: CPU attention kernel unavailable (%s); using the PyTorch reference path", e)
             _failed = True
         return _module

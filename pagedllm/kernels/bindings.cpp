@@ -1,0 +1,23 @@
+// Python bindings of the CPU kernels (one extension module for all of them).
+#include "common.h"
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
+                          int64_t num_kv_heads);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool small_gemm_available();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged decode attention (CPU): out <- softmax(q k^T * scale) v, K/V read through the block table");
+  m.def("rope_and_cache_write", &rope_and_cache_write,
+        "RoPE on the q and k parts of a fused qkv row (in place), then k and v stored at their cache slots");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a fused [T, 2I] gate_up projection");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); returns rms_norm(residual) * weight");
+  m.def("small_gemm", &small_gemm, "x @ W^T (+ bias) for a few rows of x (AVX512-BF16)");
+  m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX512-BF16)");
+}

@@ -1,0 +1,43 @@
+// Shared helpers of the CPU kernels: bf16 <-> float conversions and work splitting.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX512BF16 1
+#else
+#define PAGEDLLM_AVX512BF16 0
+#endif
+
+inline float bf16_bits_to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
+
+#if PAGEDLLM_AVX512BF16
+inline __m512 bf16x16_to_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// Round to nearest even, as torch's float -> bfloat16 conversion does.
+inline void store_float_as_bf16x16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+// Splits items [0, n) into `parts` contiguous ranges of about equal total cost; returns the
+// parts + 1 boundaries. Cheap enough to run every call (one pass over the items).
+template <typename Cost>
+std::vector<int64_t> balanced_split(int64_t n, int64_t parts, Cost cost) {
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += cost(i);
+  int64_t acc = 0, k = 1;
+  for (int64_t i = 0; i < n && k < parts; ++i) {
+    acc += cost(i);
+    while (k < parts && acc * parts >= total * k) bounds[k++] = i + 1;
+  }
+  return bounds;
+}

@@ -1,0 +1,140 @@
+// Fused element-wise steps of a decoder layer for bfloat16 on the CPU.
+//
+// Each replaces a chain of small torch ops (each its own pass over memory, its own temporary and
+// its own dispatch): RoPE + KV-cache write, SiLU-and-multiply, residual add + RMSNorm. They round
+// to bfloat16 wherever the PyTorch reference path (the Hugging Face formulas run in bf16) rounds,
+// so RoPE and SiLU-and-multiply give the reference's bits; RMSNorm rounds once at the end.
+#include "common.h"
+
+#include <cmath>
+
+namespace {
+
+// float -> bfloat16 bits, round to nearest even (no NaNs reach these kernels).
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
+
+// Rows are independent; a grain of ~16K elements keeps single-token steps on one thread
+// (a fork-join costs more than the work there).
+inline int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+// x (one head, D values) <- x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16.
+inline void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D) {
+  const int64_t half = D / 2;
+  float lo[256], hi[256];
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = bf16_bits_to_float(x[i]), b = bf16_bits_to_float(x[i + half]);
+    lo[i] = round_bf16(round_bf16(a * bf16_bits_to_float(cos[i])) + round_bf16(-b * bf16_bits_to_float(sin[i])));
+    hi[i] = round_bf16(round_bf16(b * bf16_bits_to_float(cos[i + half])) +
+                       round_bf16(a * bf16_bits_to_float(sin[i + half])));
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    x[i] = float_to_bf16_bits(lo[i]);
+    x[i + half] = float_to_bf16_bits(hi[i]);
+  }
+}
+
+}  // namespace
+
+// qkv: [T, (H + 2 * Hkv) * D] bf16, rows may be strided; q and k parts are rotated in place,
+// then k and v are stored at slot_mapping in the paged caches [num_blocks, block_size, Hkv, D].
+// cos/sin: [max_positions, D] bf16 tables (the reference casts its float tables to bf16 too).
+void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
+                          int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+                  cos.scalar_type() == torch::kBFloat16,
+              "rope_and_cache_write: bfloat16 only");
+  TORCH_CHECK(qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "rope_and_cache_write: bad layout");
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(D <= 512 && D % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "bad head geometry");
+  TORCH_CHECK(positions.size(0) == T && slot_mapping.size(0) == T, "positions / slot_mapping length");
+  auto pos = positions.contiguous();
+  auto slots = slot_mapping.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  uint16_t* base = reinterpret_cast<uint16_t*>(qkv.data_ptr());
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const uint16_t* snp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+  uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D, max_pos = cos.size(0);
+  at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position out of range of the RoPE table");
+      uint16_t* row = base + t * row_stride;
+      const uint16_t* c = cp + pp[t] * D;
+      const uint16_t* s = snp + pp[t] * D;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rope_head(row + h * D, c, s, D);
+      const uint16_t* k = row + num_heads * D;
+      std::memcpy(kc + sp[t] * kv_row, k, kv_row * sizeof(uint16_t));
+      std::memcpy(vc + sp[t] * kv_row, k + kv_row, kv_row * sizeof(uint16_t));
+    }
+  });
+}
+
+// gate_up: [T, 2 * I] bf16 -> [T, I] = silu(gate) * up, silu rounded to bf16 before the product.
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.stride(1) == 1,
+              "silu_and_mul: [T, 2I] bfloat16 with contiguous rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t stride = gate_up.stride(0);
+  at::parallel_for(0, T, grain_for(2 * I), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const uint16_t* g = in + t * stride;
+      const uint16_t* u = g + I;
+      uint16_t* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = bf16_bits_to_float(g[i]);
+        o[i] = float_to_bf16_bits(round_bf16(x / (1.f + std::exp(-x))) * bf16_bits_to_float(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// residual <- bf16(residual + x) in place; returns rms_norm(residual) * weight, rounded once.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && residual.scalar_type() == torch::kBFloat16 &&
+                  weight.scalar_type() == torch::kBFloat16,
+              "add_rms_norm: bfloat16 only");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() && x.sizes() == residual.sizes(),
+              "add_rms_norm: contiguous [T, hidden] tensors of one shape");
+  const int64_t T = x.size(0), N = x.size(1);
+  auto out = torch::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  uint16_t* rp = reinterpret_cast<uint16_t*>(residual.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, grain_for(N), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      uint16_t* r = rp + t * N;
+      const uint16_t* xr = xp + t * N;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) {
+        const float v = round_bf16(bf16_bits_to_float(r[i]) + bf16_bits_to_float(xr[i]));
+        r[i] = float_to_bf16_bits(v);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + feps);
+      uint16_t* o = op + t * N;
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) o[i] = float_to_bf16_bits(bf16_bits_to_float(r[i]) * inv * bf16_bits_to_float(wp[i]));
+    }
+  });
+  return out;
+}

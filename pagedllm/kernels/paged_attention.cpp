@@ -1,0 +1,247 @@
+// Paged decode attention for the CPU: each query token attends to its sequence's keys and
+// values read in place from the paged cache through the block table (no gather, no copy).
+//
+// q:            [num_seqs, num_heads, head_dim]            (float or bfloat16)
+// k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+// block_tables: [num_seqs, max_blocks] int64
+// seq_lens:     [num_seqs] int64 (keys 0 .. seq_len-1 are visible)
+// out:          [num_seqs, num_heads, head_dim] (may be the first rows of a larger contiguous tensor)
+// q's rows may be strided (a view into the fused qkv projection output).
+//
+// One work item is a (sequence, kv head) pair, so the keys and values of that head are read
+// once for all query heads of its GQA group. Items are split between threads by their cost
+// (sequence length), not by count: a ragged batch would otherwise leave one core idle.
+// Scores, softmax and accumulation are in float. Decode attention is bound by memory traffic
+// (every step reads the whole KV cache of every running sequence), so the bf16 path reads K/V
+// as bf16 and multiplies them with AVX512-BF16 dot products instead of widening rows first.
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+// Widens one K or V row to float. The bf16 case is written as a plain shift so the compiler
+// vectorizes it (c10::BFloat16's conversion operator is not vectorized).
+inline void load_row(const float* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(s[i]);
+}
+
+// softmax numerator in place; returns 1 / sum. (No infinities anywhere: built with -ffast-math.)
+inline float softmax_unnormalized(float* s, int64_t len) {
+  float mx = s[0];
+  for (int64_t t = 1; t < len; ++t) mx = s[t] > mx ? s[t] : mx;
+  float sum = 0.f;
+  // vectorized exp (glibc libmvec, enabled by -ffast-math): scalar expf dominated the kernel
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+struct Geometry {
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, tok_stride, blk_stride, q_stride;
+};
+
+// Portable path (any dtype, any head_dim): rows widened to float, compiler-vectorized loops.
+template <typename scalar_t>
+void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const scalar_t* qp, const scalar_t* kp,
+                    const scalar_t* vp, scalar_t* op, const int64_t* table, float scale, std::vector<float>& qf,
+                    std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& row) {
+  const int64_t D = g.head_dim, G = g.group;
+  qf.resize(G * D);
+  row.resize(D);
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_f(qp[s * g.q_stride + (h * G + j) * D + d]) * scale;
+  scores.resize(G * len);
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* kt = kp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * D;
+    load_row(kt, row.data(), D);
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = qf.data() + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qj[d] * row[d];
+      scores[j * len + t] = dot;
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalized(scores.data() + j * len, len);
+  acc.assign(G * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* vt = vp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * D;
+    load_row(vt, row.data(), D);
+    for (int64_t j = 0; j < G; ++j) {
+      const float p = scores[j * len + t];
+      float* aj = acc.data() + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) aj[d] += p * row[d];
+    }
+  }
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t d = 0; d < D; ++d)
+      op[(s * g.num_heads + h * G + j) * D + d] = static_cast<scalar_t>(acc[j * D + d] * inv[j]);
+}
+
+#if PAGEDLLM_AVX512BF16
+// Blocks are scattered in memory (that is the point of paging), so the hardware prefetcher
+// cannot run ahead across them: ask for the rows of this head two blocks ahead (into L2: the
+// L1 has too few line-fill buffers to keep enough misses in flight; measured 1.3x).
+inline void prefetch_head_rows(const uint16_t* p, int64_t rows, int64_t stride, int64_t D) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t off = 0; off < D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i * stride + off), _MM_HINT_T1);
+}
+
+// bf16, head_dim D in {32, 64, 128, 256}: q.k with vdpbf16ps straight from the cache (products of
+// two bf16 are exact in float); p.v with each block's V rows widened once into an L1 buffer and
+// the D/16 float accumulators of one query head kept in registers (D is a template parameter).
+template <int D>
+void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uint16_t* qp, const uint16_t* kp,
+                 const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
+                 std::vector<float>& acc, std::vector<float>& vbuf) {
+  constexpr int C = D / 32, V = D / 16;
+  const int64_t G = g.group, bs = g.block_size;
+  scores.resize(G * len);
+  float* S = scores.data();
+  const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
+  const int64_t nblk = (len + bs - 1) / bs;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint16_t* kb = kp + table[b] * g.blk_stride + h * D;
+    const int64_t n = std::min(bs, len - b * bs);
+    if (b == 0 && nblk > 1) prefetch_head_rows(kp + table[1] * g.blk_stride + h * D, bs, g.tok_stride, D);
+    if (b + 2 < nblk) prefetch_head_rows(kp + table[b + 2] * g.blk_stride + h * D, bs, g.tok_stride, D);
+    for (int64_t j = 0; j < G; ++j) {
+      __m512bh qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
+      float* sj = S + j * len + b * bs;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t* kt = kb + i * g.tok_stride;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kt));
+        for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
+        sj[i] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+  }
+  float inv[64];
+  for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalized(S + j * len, len);
+  acc.assign(G * D, 0.f);
+  float* A = acc.data();
+  vbuf.resize(bs * D);
+  float* VF = vbuf.data();
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint16_t* vb = vp + table[b] * g.blk_stride + h * D;
+    const int64_t n = std::min(bs, len - b * bs);
+    if (b == 0 && nblk > 1) prefetch_head_rows(vp + table[1] * g.blk_stride + h * D, bs, g.tok_stride, D);
+    if (b + 2 < nblk) prefetch_head_rows(vp + table[b + 2] * g.blk_stride + h * D, bs, g.tok_stride, D);
+    for (int64_t i = 0; i < n; ++i)
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(VF + i * D + c * 16, bf16x16_to_float(vb + i * g.tok_stride + c * 16));
+    for (int64_t j = 0; j < G; ++j) {
+      __m512 a[V];
+      for (int c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(A + j * D + c * 16);
+      const float* pj = S + j * len + b * bs;
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 p = _mm512_set1_ps(pj[i]);
+        for (int c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(VF + i * D + c * 16), a[c]);
+      }
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(A + j * D + c * 16, a[c]);
+    }
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
+    const __m512 sc = _mm512_set1_ps(inv[j]);
+    for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(A + j * D + c * 16), sc));
+  }
+}
+#endif
+
+template <typename scalar_t>
+void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  Geometry g;
+  const int64_t num_seqs = q.size(0);
+  g.num_heads = q.size(1);
+  g.head_dim = q.size(2);
+  g.block_size = k_cache.size(1);
+  g.num_kv_heads = k_cache.size(2);
+  g.group = g.num_heads / g.num_kv_heads;
+  g.max_blocks = block_tables.size(1);
+  g.tok_stride = g.num_kv_heads * g.head_dim;
+  g.blk_stride = g.block_size * g.tok_stride;
+  g.q_stride = q.stride(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  bool fast = false;
+#if PAGEDLLM_AVX512BF16
+  fast = std::is_same<scalar_t, at::BFloat16>::value && g.group <= 64 &&
+         (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256);
+#endif
+
+  // Cost-balanced split of the (sequence, kv head) items over the threads.
+  const int64_t items = num_seqs * g.num_kv_heads;
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> bounds = balanced_split(items, nthreads, [&](int64_t it) { return lens[it / g.num_kv_heads] + 8; });
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
+    std::vector<float> qf, scores, acc, row;
+    for (int64_t tid = tb; tid < te; ++tid) {
+      for (int64_t item = bounds[tid]; item < bounds[tid + 1]; ++item) {
+        const int64_t s = item / g.num_kv_heads, h = item % g.num_kv_heads;
+        const int64_t* table = bt + s * g.max_blocks;
+        if (fast) {
+#if PAGEDLLM_AVX512BF16
+          const auto* q16 = reinterpret_cast<const uint16_t*>(qp);
+          const auto* k16 = reinterpret_cast<const uint16_t*>(kp);
+          const auto* v16 = reinterpret_cast<const uint16_t*>(vp);
+          auto* o16 = reinterpret_cast<uint16_t*>(op);
+          switch (g.head_dim) {
+            case 32: attend_bf16<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row); break;
+            case 64: attend_bf16<64>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row); break;
+            case 128: attend_bf16<128>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row); break;
+            default: attend_bf16<256>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row); break;
+          }
+#endif
+        } else {
+          attend_generic(g, s, h, lens[s], qp, kp, vp, op, table, fscale, qf, scores, acc, row);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  // q may be a row slice of the fused qkv projection: rows strided, heads contiguous within a row.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  out.is_contiguous(),
+              "paged_decode_attention: bad layout (heads of a row must be contiguous; caches and out contiguous)");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
+              "paged_decode_attention: block_tables and seq_lens must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be like q");
+  if (q.size(0) == 0) return;
+  if (q.scalar_type() == torch::kFloat) {
+    decode_impl<float>(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    decode_impl<at::BFloat16>(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
+}
