@@ -110,6 +110,13 @@ class Request:
         self.finished_time: float | None = None
 
     @property
+    def needs_logprobs(self) -> bool:
+        """Whether its tokens' logprobs are computed: asked for (beam search asks), or needed to
+        rank best_of > n candidates. Otherwise, as in vLLM, cumulative_logprob is None."""
+        sp = self.sampling_params
+        return sp.logprobs is not None or (sp.best_of or sp.n) > sp.n
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -22,7 +22,8 @@ from pagedllm.request import Request
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    chosen_logprobs: list[float]  # log p(token) under the raw model distribution
+    # log p(token) under the raw model distribution; None for every row when no row needs logprobs
+    chosen_logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]  # per row: token id -> logprob (chosen + top-N)
     # The sequence of each row when the sampler added rows for forking sequences; None: the
     # rows are exactly the requests it was given.
@@ -36,19 +37,29 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        logits = logits.float()
+        """``logits`` in any float dtype: an all-greedy batch without logprobs or penalties takes
+        the argmax of the model's own (bf16) logits, which is the argmax of their float copy."""
         expanded = None
         if any(r.fork_children for r in requests):
             rows = [i for i, r in enumerate(requests) for _ in range(1 + len(r.fork_children))]
             expanded = [x for r in requests for x in (r, *r.fork_children)]
             logits, requests = logits[torch.tensor(rows, dtype=torch.long)], expanded
+        want_logprobs = any(r.needs_logprobs for r in requests)
+        penalties = _needs_penalties(requests)
+        if not want_logprobs and not penalties and all(r.sampling_params.greedy for r in requests):
+            ids = logits.max(dim=-1).indices.tolist()
+            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
+        logits = logits.float()
+        processed = self._apply_penalties(logits.clone(), requests) if penalties else logits
+        token_ids = self._choose(processed, requests)
+        if not want_logprobs:
+            ids = token_ids.tolist()
+            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
         # Logprobs are of the raw distribution (tempered for beam rows that ask): log p = logit - lse.
         # Only rows that return top-N logprobs get a full log-softmax; the rest need one logsumexp.
         temps = torch.tensor([r.logprob_temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
         scored = logits if bool((temps == 1.0).all()) else logits / temps
         lse = torch.logsumexp(scored, dim=-1, keepdim=True)
-        processed = self._apply_penalties(logits.clone(), requests) if _needs_penalties(requests) else logits
-        token_ids = self._choose(processed, requests)
         chosen = (scored.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
         ids = token_ids.tolist()
         chosen_l = chosen.tolist()

@@ -532,3 +532,29 @@ def test_logprobs_match_hf(llm, hf_model, temperature):
     total = sum(ref[i, t].item() for i, t in enumerate(ids))
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
     assert math.isfinite(out.cumulative_logprob)
+
+
+def test_all_greedy_batch_takes_argmax_of_bf16_logits_without_widening():
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 300, generator=g) * 3).to(torch.bfloat16)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins, as argmax
+    reqs = [make_req(rid=str(i), temperature=0.0) for i in range(6)]
+    out = Sampler()(logits, reqs)
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.token_ids[2] == 7
+    assert out.chosen_logprobs == [None] * 6 and out.top_logprobs == [None] * 6
+    # one row asking for logprobs: every row gets its chosen logprob, computed in float
+    reqs[4] = make_req(rid="4", temperature=0.0, logprobs=0)
+    out = Sampler()(logits, reqs)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.chosen_logprobs[0] == pytest.approx(raw[0, out.token_ids[0]].item(), abs=1e-6)
+
+
+def test_cumulative_logprob_only_when_logprobs_are_computed(llm):
+    (plain,) = gen(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+    (with_lp,) = gen(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=8, logprobs=0))
+    assert plain.cumulative_logprob is None  # as vLLM: not computed unless asked for
+    assert plain.token_ids == with_lp.token_ids
+    total = sum(d[t] for t, d in zip(with_lp.token_ids, with_lp.logprobs, strict=True))
+    assert with_lp.cumulative_logprob == pytest.approx(total)

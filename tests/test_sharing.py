@@ -128,7 +128,8 @@ def test_sharing_uses_fewer_blocks_than_separate_requests(llm):
 
 
 def test_best_of_returns_the_highest_cumulative_logprobs(llm):
-    many = gen(llm, PROMPT, temperature=1.0, seed=11, n=4)
+    many = gen(llm, PROMPT, temperature=1.0, seed=11, n=4, logprobs=0)
+    assert all(o.cumulative_logprob is not None for o in many)
     best = gen(llm, PROMPT, temperature=1.0, seed=11, n=2, best_of=4)
     ranked = sorted(many, key=lambda o: -o.cumulative_logprob)[:2]
     assert [o.token_ids for o in best] == [o.token_ids for o in ranked]

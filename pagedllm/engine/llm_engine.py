@@ -438,10 +438,11 @@ class LLMEngine:
         return outputs
 
     def _append_token(
-        self, state: _RequestState, req: Request, logprob: float, top_logprobs: dict[int, float] | None
+        self, state: _RequestState, req: Request, logprob: float | None, top_logprobs: dict[int, float] | None
     ) -> None:
         """Bookkeeping of a sequence's new token: logprobs, stop checks, detokenization."""
-        req.cumulative_logprob += logprob
+        if logprob is not None:
+            req.cumulative_logprob += logprob
         if req.logprobs is not None:
             req.logprobs.append(top_logprobs)
         detokenizer = state.detokenizers.get(req.request_id)
@@ -515,7 +516,7 @@ class LLMEngine:
             index=req.index,
             text=text,
             token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob,
+            cumulative_logprob=req.cumulative_logprob if req.needs_logprobs else None,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason if finished else None,

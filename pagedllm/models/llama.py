@@ -197,10 +197,11 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype (the sampler widens them only when it has to)."""
         if self.packed_head is not None:
-            return self.packed_head(hidden).float()
+            return self.packed_head(hidden)
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return F.linear(hidden, w)
 
     def pack_for_cpu(self, small_gemm=None) -> int:
         """Pre-packs bf16 matmul weights for oneDNN (see cpu_linear); returns the layers packed.
