@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.beam_search import BeamSearchParams, BeamSearchState
 from pagedllm.config import EngineConfig
+from pagedllm.host_memory import keep_freed_memory_in_heap
 from pagedllm.kv.factory import make_kv_manager
 from pagedllm.models.llama import sliding_window
 from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
@@ -85,6 +86,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         t0 = time.perf_counter()
         cpu_kernels = None
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         if config.attention_backend == "auto" and self.device.type == "cpu":
             from pagedllm.kernels import load_cpu_kernels
 

@@ -13,6 +13,7 @@ namespace {
 
 constexpr int64_t kRowsPerTile = 4;  // of W (output features)
 constexpr int64_t kMaxM = 4;         // rows of x per pass over a W tile
+constexpr int64_t kPrefetchTiles = 4;
 
 template <int M>
 inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n, int64_t nrows, const float* bias,
@@ -20,7 +21,13 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n, int
   __m512 acc[M][kRowsPerTile];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kRowsPerTile; ++r) acc[m][r] = _mm512_setzero_ps();
+  // The weights stream from memory once per step: keep enough of them in flight (the L1's
+  // line-fill buffers alone cap one core near 10 GB/s), by prefetching a few tiles ahead into L2.
+  const uint16_t* ahead = w + (n + kPrefetchTiles * kRowsPerTile) * K;
+  const bool prefetch = n + (kPrefetchTiles + 1) * kRowsPerTile <= N;
   for (int64_t k = 0; k < K; k += 32) {
+    if (prefetch)
+      for (int r = 0; r < kRowsPerTile; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T1);
     __m512bh wv[kRowsPerTile];
     for (int r = 0; r < kRowsPerTile; ++r)
       wv[r] = (__m512bh)_mm512_loadu_si512(w + (n + (r < nrows ? r : 0)) * K + k);

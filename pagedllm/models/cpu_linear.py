@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # Up to this many rows, the streaming small-M kernel (pagedllm/kernels/small_gemm.cpp) beats
 # oneDNN's blocked GEMM on the packed weight (measured: `python -m pagedllm.bench.kernels`).
-SMALL_GEMM_MAX_ROWS = 4
+SMALL_GEMM_MAX_ROWS = 6
 
 
 class PackedLinear(nn.Module):
