@@ -75,9 +75,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     nblk = bt.shape[1]
     k = k_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
     v = v_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
-    if hkv != h:  # see _prefill: expanded heads keep SDPA on its fused kernel
-        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(bs), scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(bs), scale=scale, enable_gqa=hkv != h
+    )
     return o.squeeze(2)
 
 
@@ -91,11 +91,9 @@ def _prefill(q, key, value, k_cache, v_cache, p, scale):
         k = k_cache[p.block_ids].view(-1, hkv, d)[: p.seq_len]
         v = v_cache[p.block_ids].view(-1, hkv, d)[: p.seq_len]
     k, v = k.transpose(0, 1), v.transpose(0, 1)
-    if hkv != h:
-        # Expand KV heads for GQA ourselves: SDPA's enable_gqa sends the CPU to its slow "math"
-        # path (bmm + softmax), while expanded heads use the fused flash kernel.
-        k, v = k.repeat_interleave(h // hkv, dim=0), v.repeat_interleave(h // hkv, dim=0)
     # 4-D (batch of 1): the CPU's fused flash kernel only takes 4-D inputs; 3-D goes to "math".
+    # With 4-D inputs it also handles GQA itself (enable_gqa), 1.3-1.5x faster than expanding
+    # the KV heads first (bf16, 184-512 query tokens, 9/3 heads).
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.unsqueeze(0),
@@ -103,5 +101,6 @@ def _prefill(q, key, value, k_cache, v_cache, p, scale):
         attn_mask=p.mask,
         is_causal=p.mask is None,
         scale=scale,
+        enable_gqa=hkv != h,
     )
     return o.squeeze(0).transpose(0, 1)
