@@ -7,6 +7,9 @@ projections are fused into one matmul each: fewer, larger GEMMs are faster on ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,20 +97,6 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
-    def forward_fused(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata, kernels):
-        """The same computation with the compiled CPU kernels: RoPE and the KV-cache write in one
-        pass over the qkv projection (in place), attention reading q straight from it."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        kernels.rope_and_cache_write(
-            qkv, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads
-        )
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = attend(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.view(t, self.q_size))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg) -> None:
@@ -123,9 +112,6 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def forward_fused(self, x: torch.Tensor, kernels) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, qkv_bias: bool) -> None:
@@ -138,6 +124,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _FusedLayer(NamedTuple):
+    """One decoder layer, resolved for the fused CPU loop (LlamaForCausalLM._forward_fused)."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
+    gate_up_proj: Callable[[torch.Tensor], torch.Tensor]
+    down_proj: Callable[[torch.Tensor], torch.Tensor]
+    post_norm_w: torch.Tensor
+    post_norm_eps: float
+    next_norm_w: torch.Tensor  # the next layer's input norm, or the final norm after the last layer
+    next_norm_eps: float
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,6 +167,23 @@ class LlamaForCausalLM(nn.Module):
         if kernels is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.head_dim > 512:
             return False
         self.kernels = kernels
+        # Everything the fused loop needs, looked up once: at batch size 1 a step is ~120 small
+        # kernels, and nn.Module call / attribute overhead was a quarter of it.
+        norms = [layer.post_attention_layernorm for layer in self.layers]
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        self._fused_layers = [
+            _FusedLayer(
+                layer.self_attn.qkv_proj.forward,
+                layer.self_attn.o_proj.forward,
+                layer.mlp.gate_up_proj.forward,
+                layer.mlp.down_proj.forward,
+                post.weight,
+                post.eps,
+                nxt.weight,
+                nxt.eps,
+            )
+            for layer, post, nxt in zip(self.layers, norms, next_norms, strict=True)
+        ]
         return True
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
@@ -179,21 +195,35 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
-    def _forward_fused(self, x, positions, kv_caches, meta):
+    def _forward_fused(self, x, positions, kv_caches, meta: AttentionMetadata):
         """vLLM's layer shape: one residual stream updated in place, each RMSNorm fused with the
-        residual add before it (the reference computes the same sums, see DecoderLayer)."""
+        residual add before it (the reference computes the same sums, see DecoderLayer). RoPE and
+        the KV-cache write are one pass over the qkv projection, in place; attention reads q from it."""
         kernels = self.kernels
+        attn = self.layers[0].self_attn
+        nh, nkv, d, scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+        qs, kvs = attn.q_size, attn.kv_size
         cos, sin = self.rope.bf16_tables()
+        slots = meta.slot_mapping
+        t = x.shape[0]
+        # Decode-only steps call the kernel directly (no per-layer prefill bookkeeping).
+        decode_only = not meta.prefills and meta.decode_kernel is not None
         residual = x  # the embedding lookup made a fresh tensor: safe to update in place
         h = self.layers[0].input_layernorm(x)
-        last = len(self.layers) - 1
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            a = layer.self_attn.forward_fused(h, positions, cos, sin, k_cache, v_cache, meta, kernels)
-            norm = layer.post_attention_layernorm
-            h = kernels.add_rms_norm(a, residual, norm.weight, norm.eps)
-            m = layer.mlp.forward_fused(h, kernels)
-            norm = self.norm if i == last else self.layers[i + 1].input_layernorm
-            h = kernels.add_rms_norm(m, residual, norm.weight, norm.eps)
+        for lyr, (k_cache, v_cache) in zip(self._fused_layers, kv_caches, strict=True):
+            qkv = lyr.qkv(h)
+            kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
+            q = qkv[:, :qs].view(t, nh, d)
+            if decode_only:
+                o = torch.empty((t, nh, d), dtype=qkv.dtype)
+                meta.decode_kernel(o, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+            else:
+                k = qkv[:, qs : qs + kvs].view(t, nkv, d)
+                v = qkv[:, qs + kvs :].view(t, nkv, d)
+                o = attend(q, k, v, k_cache, v_cache, meta, scale)
+            h = kernels.add_rms_norm(lyr.o_proj(o.view(t, qs)), residual, lyr.post_norm_w, lyr.post_norm_eps)
+            m = lyr.down_proj(kernels.silu_and_mul(lyr.gate_up_proj(h)))
+            h = kernels.add_rms_norm(m, residual, lyr.next_norm_w, lyr.next_norm_eps)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
