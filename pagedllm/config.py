@@ -25,7 +25,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib when set
     kv_layout: str = "paged"
     reserve: str = "max"  # contiguous layout only: how much each request reserves at admission
-    enable_prefix_caching: bool = False
+    # On by default as in vLLM: measured free on a workload with no shared prefixes (200 ShareGPT
+    # requests, 61.9 s on vs 61.2 s off, within run-to-run noise).
+    enable_prefix_caching: bool = True
     # Scheduler
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256

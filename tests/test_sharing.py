@@ -17,7 +17,9 @@ PROMPT = [random.Random(5).randrange(3, 512) for _ in range(37)]
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, block_size=16)
+    # Prefix caching off: these tests count the blocks that forking shares, against separate
+    # requests that must not share (prefix caching would share their prompts too).
+    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
 
 
 def gen(llm: LLM, prompt: list[int], **kw) -> list:
