@@ -7,6 +7,7 @@
 #include "common.h"
 
 #include <cmath>
+#include <cstring>
 
 namespace {
 

@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
             kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
             q = qkv[:, :qs].view(t, nh, d)
             if decode_only:
-                o = torch.empty((t, nh, d), dtype=qkv.dtype)
+                o = torch.empty((t, nh, d), dtype=qkv.dtype, device=qkv.device)
                 meta.decode_kernel(o, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
             else:
                 k = qkv[:, qs : qs + kvs].view(t, nkv, d)
