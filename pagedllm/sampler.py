@@ -104,21 +104,31 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        # max().indices is argmax (first maximum on ties) but ~3x faster on the CPU
-        out = logits.max(dim=-1).indices
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not random_rows:
-            return out
-        rows = torch.tensor(random_rows, dtype=torch.long)
-        sub = logits[rows]
+            # max().indices is argmax (first maximum on ties) but ~3x faster on the CPU
+            return logits.max(dim=-1).indices
+        if len(random_rows) == len(requests):
+            out, sub = None, logits
+        else:
+            out = logits.max(dim=-1).indices
+            rows = torch.tensor(random_rows, dtype=torch.long)
+            sub = logits[rows]
         params = [requests[i].sampling_params for i in random_rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype).unsqueeze(1)
-        sub = _filter(sub / temps, params)
-        probs = torch.softmax(sub, dim=-1)
+        if any(p.temperature != 1.0 for p in params):
+            sub = sub / torch.tensor([p.temperature for p in params], dtype=sub.dtype).unsqueeze(1)
+        probs = torch.softmax(_filter(sub, params), dim=-1)
+        # Exponential race: argmax p / E with E ~ Exp(1) drawn per token, each row from its own
+        # generator (a seeded request's tokens do not depend on its batch). Masking a token only
+        # changes the draw if that token would have won (min_tokens, stop ids, top-k keep the
+        # other draws). E = -log U: uniform_ + one vectorized log is 6x faster than exponential_.
         q = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
-            q[j].exponential_(generator=requests[i].generator or self.generator)
-        out[rows] = (probs / q).argmax(dim=-1)
+            q[j].uniform_(generator=requests[i].generator or self.generator)
+        chosen = probs.div_(q.log_().neg_()).max(dim=-1).indices
+        if out is None:
+            return chosen
+        out[rows] = chosen
         return out
 
 
