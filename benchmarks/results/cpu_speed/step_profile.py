@@ -1,6 +1,7 @@
 """Where a throughput run's time goes: wall time of each engine step by kind and decode batch size.
 
-python step_profile.py MODEL WORKLOAD.json [engine_arg=int ...]   (greedy, ignore EOS, as the bench)
+python step_profile.py MODEL WORKLOAD.json [temperature=T] [engine_arg=int ...]
+(greedy unless temperature is given, ignore EOS, as the bench)
 """
 
 import collections
@@ -12,10 +13,11 @@ from pagedllm import LLM, SamplingParams
 
 model, workload = sys.argv[1], sys.argv[2]
 engine_args = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
+temperature = float(engine_args.pop("temperature", 0))
 requests = json.load(open(workload))["requests"]
 engine = LLM(model=model, dtype="bfloat16", **engine_args).llm_engine
 for i, r in enumerate(requests):
-    params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=temperature, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
     engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params)
 
 steps = []  # (seconds, decodes, prefill tokens)
