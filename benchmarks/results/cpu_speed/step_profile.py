@@ -12,8 +12,9 @@ import time
 from pagedllm import LLM, SamplingParams
 
 model, workload = sys.argv[1], sys.argv[2]
-engine_args = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
-temperature = float(engine_args.pop("temperature", 0))
+args = dict(a.split("=") for a in sys.argv[3:])
+temperature = float(args.pop("temperature", 0))
+engine_args = {k: int(v) for k, v in args.items()}
 requests = json.load(open(workload))["requests"]
 engine = LLM(model=model, dtype="bfloat16", **engine_args).llm_engine
 for i, r in enumerate(requests):
