@@ -312,7 +312,8 @@ NEW_TOKENS = 16
 def _engine_run(model_dir: str, requests: list[dict], **kw) -> dict:
     from argparse import Namespace
 
-    from pagedllm.bench.compare import make_engine, run_workload
+    from pagedllm.bench.compare import make_engine
+    from pagedllm.bench.engine_driver import run_workload
 
     args = Namespace(
         model=model_dir,
