@@ -1,4 +1,12 @@
-"""Keeps glibc from handing each step's large temporaries back to the kernel.
+"""Host allocator set-up for CPU serving: tcmalloc when present, else a tuned glibc.
+
+With tcmalloc preloaded the 200-request ShareGPT run takes 53.7-54.3 s against 59.0 s with
+glibc + the mallopt below (same session): tcmalloc recycles the per-step tensors without the
+kernel. A process cannot preload a library into itself, so the ``pagedllm`` command re-executes
+itself once with LD_PRELOAD set when libtcmalloc is installed (vLLM's CPU docs ask users to set
+it by hand). Python-API users can set LD_PRELOAD themselves.
+
+Keeping glibc from handing each step's large temporaries back to the kernel:
 
 Tensors above glibc's mmap threshold (128 KiB, adapting up to 32 MiB) are mmap'ed and unmapped
 one by one, so every decode step page-faults its activations in again and the kernel zeroes each
@@ -12,6 +20,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import subprocess
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -36,3 +47,40 @@ def keep_freed_memory_in_heap() -> bool:
         return False
     _done = ok
     return ok
+
+
+_NO_TCMALLOC_ENV = "PAGEDLLM_NO_TCMALLOC"  # set to 1 to keep the default allocator
+
+
+def find_tcmalloc() -> str | None:
+    """Path of an installed libtcmalloc (minimal preferred: no heap profiler), or None."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        lib = name.split(" ", 1)[0]
+        if lib in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4") and os.path.exists(path):
+            found.setdefault(lib, path)
+    return found.get("libtcmalloc_minimal.so.4") or found.get("libtcmalloc.so.4")
+
+
+def reexec_with_tcmalloc(argv: list[str]) -> None:
+    """Re-executes this command (``python -m pagedllm.entrypoints.cli argv``) with tcmalloc
+    preloaded, once; returns without doing anything when it is absent, already loaded, off
+    (PAGEDLLM_NO_TCMALLOC=1) or not on Linux."""
+    if not sys.platform.startswith("linux") or os.environ.get(_NO_TCMALLOC_ENV) == "1":
+        return
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        return
+    lib = find_tcmalloc()
+    if lib is None:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env[_NO_TCMALLOC_ENV] = "1"  # never loop, whatever the child's LD_PRELOAD ends up as
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "pagedllm.entrypoints.cli", *argv], env)

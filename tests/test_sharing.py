@@ -200,3 +200,18 @@ def test_contiguous_layout_runs_n_without_sharing(tiny_llama, llm):
     )
     outs = gen(other, PROMPT, temperature=0.0, n=2)
     assert [o.token_ids for o in outs] == [one.token_ids] * 2
+
+
+def test_reset_prefix_cache_forgets_cached_blocks(tiny_llama):
+    llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, block_size=16)  # caching on: the default
+    pool = llm.llm_engine.kv_manager.pool
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    prompt = {"prompt_token_ids": PROMPT * 2}  # 74 tokens: 4 full blocks to cache
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert pool.num_cached_blocks() > 0
+    hits = pool.num_cache_hits
+    llm.reset_prefix_cache()
+    assert pool.num_cached_blocks() == 0
+    again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == first and pool.num_cache_hits == hits  # recomputed, nothing found in the cache
+    pool.check_invariants()

@@ -74,6 +74,9 @@ def run_requests(llm, requests: list[dict]) -> float:
     params = [
         SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False) for r in requests
     ]
+    # Every timed run starts from a cold prefix cache, as a fresh process (vLLM's bench) does:
+    # a repeat of the same workload would otherwise skip most of its prefill.
+    llm.reset_prefix_cache()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t

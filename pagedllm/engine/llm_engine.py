@@ -361,6 +361,12 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return request_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix block no sequence holds (vLLM's name); a no-op without caching."""
+        pool = getattr(self.kv_manager, "pool", None)
+        if pool is not None:
+            pool.reset_prefix_cache()
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self._states.pop(rid, None)

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the console command: restart under tcmalloc when installed (host_memory)
+        from pagedllm.host_memory import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc(sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

@@ -19,6 +19,10 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: object) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
+    def reset_prefix_cache(self) -> None:
+        """Drops the cached prompt prefixes (benchmarks repeat a workload from a cold cache)."""
+        self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
