@@ -21,7 +21,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import subprocess
 import sys
 
 logger = logging.getLogger(__name__)
@@ -53,18 +52,8 @@ _NO_TCMALLOC_ENV = "PAGEDLLM_NO_TCMALLOC"  # set to 1 to keep the default alloca
 
 
 def find_tcmalloc() -> str | None:
-    """Path of an installed libtcmalloc (minimal preferred: no heap profiler), or None."""
-    try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found: dict[str, str] = {}
-    for line in out.splitlines():
-        name, _, path = line.strip().partition(" => ")
-        lib = name.split(" ", 1)[0]
-        if lib in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4") and os.path.exists(path):
-            found.setdefault(lib, path)
-    return found.get("libtcmalloc_minimal.so.4") or found.get("libtcmalloc.so.4")
+    """Soname of an installed tcmalloc (minimal preferred: no heap profiler), or None."""
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
 
 
 def reexec_with_tcmalloc(argv: list[str]) -> None:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from pagedllm.bench.engine_driver import run_workload
-from pagedllm.bench.workloads import add_workload_args, load_workload, workload_summary
+from pagedllm.bench.workloads import add_workload_args, workload_from_args, workload_summary
 
 # name -> (kv_layout, reserve policy)
 LAYOUTS: dict[str, tuple[str, str]] = {
@@ -105,15 +105,7 @@ def _workload(args: argparse.Namespace) -> list[dict]:
     from pagedllm.models.loader import load_hf_config
     from pagedllm.models.resolve import resolve_model_path
 
-    vocab = load_hf_config(resolve_model_path(args.model)).vocab_size
-    return load_workload(
-        args.workload,
-        args.num_prompts,
-        args.seed,
-        vocab,
-        input_len=args.input_len,
-        output_len=args.output_len,
-    )
+    return workload_from_args(args, load_hf_config(resolve_model_path(args.model)).vocab_size)
 
 
 def _free_engine(engine) -> None:

@@ -49,10 +49,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
+        self._bf16: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bf16_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole cos/sin tables in bf16 (the fused CPU RoPE kernel indexes them itself), made once."""
-        if getattr(self, "_bf16", None) is None:
+        if self._bf16 is None:
             self._bf16 = (self.cos.to(torch.bfloat16).contiguous(), self.sin.to(torch.bfloat16).contiguous())
         return self._bf16
 
@@ -206,21 +207,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.bf16_tables()
         slots = meta.slot_mapping
         t = x.shape[0]
-        # Decode-only steps call the kernel directly (no per-layer prefill bookkeeping).
-        decode_only = not meta.prefills and meta.decode_kernel is not None
         residual = x  # the embedding lookup made a fresh tensor: safe to update in place
         h = self.layers[0].input_layernorm(x)
         for lyr, (k_cache, v_cache) in zip(self._fused_layers, kv_caches, strict=True):
             qkv = lyr.qkv(h)
             kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
             q = qkv[:, :qs].view(t, nh, d)
-            if decode_only:
-                o = torch.empty((t, nh, d), dtype=qkv.dtype, device=qkv.device)
-                meta.decode_kernel(o, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
-            else:
-                k = qkv[:, qs : qs + kvs].view(t, nkv, d)
-                v = qkv[:, qs + kvs :].view(t, nkv, d)
-                o = attend(q, k, v, k_cache, v_cache, meta, scale)
+            k = qkv[:, qs : qs + kvs].view(t, nkv, d)
+            v = qkv[:, qs + kvs :].view(t, nkv, d)
+            o = attend(q, k, v, k_cache, v_cache, meta, scale)
             h = kernels.add_rms_norm(lyr.o_proj(o.view(t, qs)), residual, lyr.post_norm_w, lyr.post_norm_eps)
             m = lyr.down_proj(kernels.silu_and_mul(lyr.gate_up_proj(h)))
             h = kernels.add_rms_norm(m, residual, lyr.next_norm_w, lyr.next_norm_eps)
