@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -44,6 +46,12 @@ def test_no_reexec_when_off_loaded_absent_or_not_linux(execs, monkeypatch, setup
     assert execs == []
 
 
-def test_find_tcmalloc_returns_an_existing_library_or_none():
-    path = host_memory.find_tcmalloc()
-    assert path is None or ("tcmalloc" in path and path.endswith(".so.4"))
+def test_found_tcmalloc_really_preloads():
+    lib = host_memory.find_tcmalloc()
+    if lib is None:
+        pytest.skip("no tcmalloc installed here (the CLI then keeps glibc's allocator)")
+    probe = "print(any('tcmalloc' in line for line in open('/proc/self/maps')))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, "LD_PRELOAD": lib}, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "True", out.stderr
