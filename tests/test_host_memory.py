@@ -55,3 +55,39 @@ def test_found_tcmalloc_really_preloads():
         [sys.executable, "-c", probe], env={**os.environ, "LD_PRELOAD": lib}, capture_output=True, text=True
     )
     assert out.stdout.strip() == "True", out.stderr
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _huge_kib_in(start: int, end: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings that overlap [start, end)."""
+    total, overlaps = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlaps = lo < end and hi > start
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux only")
+def test_kv_cache_is_backed_by_huge_pages_where_the_kernel_allows():
+    import torch
+
+    from pagedllm.runner.kv_cache import allocate_kv_cache
+
+    assert not host_memory.advise_huge_pages(torch.empty(1024))  # no whole 2 MiB page inside
+    ((k, v),) = allocate_kv_cache(1, 512, 16, 4, 64, torch.bfloat16, torch.device("cpu"))  # 4 MiB each
+    assert host_memory.advise_huge_pages(k)  # madvise accepts the aligned interior
+    assert not k.any() and not v.any()  # still zeroed: attention relies on it
+    if _thp_mode() in ("always", "madvise"):
+        start = k.data_ptr()
+        assert _huge_kib_in(start, start + k.numel() * k.element_size()) >= 2048

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.host_memory import advise_huge_pages
+
 GIB = 1 << 30
 
 
-def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -29,10 +29,13 @@ def allocate_kv_cache(
     # Zeroed, not empty: attention multiplies masked-out slots by probability 0, and 0 * NaN
     # garbage would still poison the output.
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+
+    def zeroed() -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        advise_huge_pages(t)  # CPU: before the pages are first touched (no-op elsewhere)
+        return t.zero_()
+
+    return [(zeroed(), zeroed()) for _ in range(num_layers)]
 
 
 def move_blocks(
