@@ -1,0 +1,73 @@
+"""Where a throughput run's forward time goes, by operation class (wall time, synchronous CPU).
+
+python op_profile.py MODEL WORKLOAD.json   (greedy, ignore EOS, as the bench; run under tcmalloc:
+LD_PRELOAD=libtcmalloc_minimal.so.4). Wrapping each call adds a little overhead to the total.
+"""
+
+import collections
+import json
+import sys
+import time
+
+import pagedllm.attention.paged_attention as pa
+import pagedllm.models.llama as llama
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.cpu_linear import PackedLinear
+
+T = collections.Counter()
+
+
+def timed(f, key):
+    def g(*a, **k):
+        t = time.perf_counter()
+        out = f(*a, **k)
+        T[key] += time.perf_counter() - t
+        return out
+
+    return g
+
+
+linear_forward = PackedLinear.forward
+
+
+def timed_linear(self, x):
+    t = time.perf_counter()
+    out = linear_forward(self, x)
+    rows = x.shape[0]
+    T["gemm rows<=6" if rows <= 6 else ("gemm rows 7-256" if rows <= 256 else "gemm rows>256")] += (
+        time.perf_counter() - t
+    )
+    return out
+
+
+PackedLinear.forward = timed_linear  # before the engine resolves the layers' bound methods
+pa._prefill = timed(pa._prefill, "prefill attention (SDPA)")
+llama.attend = timed(llama.attend, "attention, all")
+
+
+class TimedKernels:
+    def __init__(self, k):
+        self.k = k
+
+    def __getattr__(self, name):
+        return timed(getattr(self.k, name), name)
+
+
+model, workload = sys.argv[1], sys.argv[2]
+requests = json.load(open(workload))["requests"]
+engine = LLM(model=model, dtype="bfloat16").llm_engine
+m = engine.runner.model
+m.kernels = TimedKernels(m.kernels)
+engine.runner.decode_kernel = timed(engine.runner.decode_kernel, "decode attention kernel")
+m.forward = timed(m.forward, "forward")
+m.compute_logits = timed(m.compute_logits, "logits (LM head)")
+engine.runner.sampler = timed(engine.runner.sampler, "sampler")
+for i, r in enumerate(requests):
+    params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+    engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params)
+t0 = time.perf_counter()
+while engine.has_unfinished_requests():
+    engine.step()
+print(f"wall {time.perf_counter() - t0:.1f} s")
+for k, v in T.most_common():
+    print(f"{k}: {v:.2f} s")
