@@ -79,15 +79,23 @@ def _huge_kib_in(start: int, end: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux only")
-def test_kv_cache_is_backed_by_huge_pages_where_the_kernel_allows():
+def test_kv_cache_is_backed_by_huge_pages_where_the_kernel_allows(monkeypatch):
     import torch
 
     from pagedllm.runner.kv_cache import allocate_kv_cache
 
     assert not host_memory.advise_huge_pages(torch.empty(1024))  # no whole 2 MiB page inside
+    monkeypatch.delenv("PAGEDLLM_NO_HUGE_PAGES", raising=False)
     ((k, v),) = allocate_kv_cache(1, 512, 16, 4, 64, torch.bfloat16, torch.device("cpu"))  # 4 MiB each
     assert host_memory.advise_huge_pages(k)  # madvise accepts the aligned interior
     assert not k.any() and not v.any()  # still zeroed: attention relies on it
     if _thp_mode() in ("always", "madvise"):
         start = k.data_ptr()
         assert _huge_kib_in(start, start + k.numel() * k.element_size()) >= 2048
+
+
+def test_huge_pages_can_be_turned_off(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("PAGEDLLM_NO_HUGE_PAGES", "1")
+    assert not host_memory.advise_huge_pages(torch.empty(4 << 20, dtype=torch.uint8))
