@@ -3,8 +3,12 @@
 All requests are submitted at once (token-id prompts, greedy, ignore_eos, each its own
 max_tokens) and the engine runs until all finish. The wall time covers generation only (model
 load, kernel build and a small warm-up are excluded), median of --repeats runs on one engine.
-Also reports the fraction of the GEMM roofline reached: the weight matmuls of a token cost
-2 x (parameter count) FLOP, and the peak is a large bf16/fp32 matmul timed in the same process.
+Also reports two rooflines, both measured in the same process:
+- GEMM: the weight matmuls of a token cost 2 x (parameter count) FLOP, at the FLOP/s of a large
+  bf16/fp32 matmul;
+- memory: the bytes decoding must read at least — every decode step reads every running
+  sequence's whole K/V in every layer, and all the weights once — at the read bandwidth of a
+  large sequential sum. On a small CPU this, not the GEMM roofline, is what bounds decode.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 from pagedllm.bench.workloads import add_workload_args, workload_from_args, workload_summary
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+from pagedllm.runner.kv_cache import kv_bytes_per_block
 
 DEFAULT_OUT_DIR = "benchmarks/results/throughput"
 
@@ -44,6 +49,31 @@ def gemm_peak_gflops(dtype, n: int = 2048, iters: int = 10) -> float:
     for _ in range(iters):
         a @ b
     return 2 * n**3 * iters / (time.perf_counter() - t) / 1e9
+
+
+def read_bandwidth_gbs(mib: int = 1024, iters: int = 3) -> float:
+    """GB/s of a large sequential read (a float sum over ``mib`` MiB) in this process, best of ``iters``.
+    Larger than the last-level cache (480 MiB on the 2-core VMs here: 512 MiB read 27 GB/s, 1 GiB 22)."""
+    import torch
+
+    x = torch.ones(mib << 18)  # float32: mib MiB
+    x.sum()
+    best = float("inf")
+    for _ in range(iters):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode_kv_read_bytes(requests: list[dict], kv_bytes_per_token: int) -> int:
+    """K/V bytes the decode steps of a workload read: the step producing output token i + 1 of a
+    request (i = 1 .. max_tokens - 1; token 1 comes from its prefill) attends over prompt + i tokens."""
+    total_tokens = 0
+    for r in requests:
+        p, o = len(r["prompt_token_ids"]), r["max_tokens"]
+        total_tokens += (o - 1) * p + (o - 1) * o // 2
+    return total_tokens * kv_bytes_per_token
 
 
 def common_result(
@@ -88,6 +118,8 @@ def run_requests(llm, requests: list[dict]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from pagedllm import LLM
 
     kwargs = engine_kwargs(args, skip=("model", "seed"))
@@ -95,13 +127,22 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.llm_engine
     requests = workload_from_args(args, vocab_size=engine.vocab_size)
     run_requests(llm, [{"prompt_token_ids": r["prompt_token_ids"][:32], "max_tokens": 8} for r in requests[:4]])
+    steps_before = engine.stats_counters["steps"]
     walls = [run_requests(llm, requests) for _ in range(args.repeats)]
+    steps = (engine.stats_counters["steps"] - steps_before) / args.repeats
     wall = statistics.median(walls)
     summary = workload_summary(requests)
     n_prompt, n_out = summary["prompt_tokens_total"], summary["output_tokens_total"]
     params = engine.model.num_params
     peak = gemm_peak_gflops(engine.dtype)
     gemm_s = (n_prompt + n_out) * 2 * params / (peak * 1e9)
+    model = engine.model
+    kv_per_token = kv_bytes_per_block(len(model.layers), 1, model.num_kv_heads, model.head_dim, engine.dtype)
+    kv_bytes = decode_kv_read_bytes(requests, kv_per_token)
+    # One pass over the weights per step (a tied embedding is read once, as the LM head).
+    weight_bytes = params * torch.empty((), dtype=engine.dtype).element_size()
+    read_gbs = read_bandwidth_gbs()
+    memory_s = (kv_bytes + steps * weight_bytes) / (read_gbs * 1e9)
     result = {
         **common_result(
             "throughput",
@@ -119,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
         "gemm_peak_gflops": round(peak, 1),
         "gemm_roofline_s": round(gemm_s, 2),
         "roofline_fraction": round(gemm_s / wall, 3),
+        "read_bandwidth_gbs": round(read_gbs, 1),
+        "decode_kv_read_bytes": kv_bytes,
+        "weight_read_bytes": round(steps * weight_bytes),
+        "engine_steps": steps,
+        "memory_roofline_s": round(memory_s, 2),
+        "memory_roofline_fraction": round(memory_s / wall, 3),
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_cache_tokens": engine.num_kv_blocks * engine.config.block_size,
         "host": platform.node(),
@@ -128,13 +175,13 @@ def run(args: argparse.Namespace) -> int:
     row = (
         f"| {result['label']} | {result['dtype']} | {len(requests)} | {wall:.1f} | {result['output_tok_s']:.1f} "
         f"| {result['total_tok_s']:.1f} | {result['ms_per_output_token']:.2f} | {result['roofline_fraction']:.0%} "
-        f"| {result['peak_rss_mib']:.0f} |"
+        f"| {result['memory_roofline_fraction']:.0%} | {result['peak_rss_mib']:.0f} |"
     )
     print(
         "| system | dtype | requests | wall s | output tok/s | total tok/s | ms/out tok | GEMM roofline "
-        "| peak RSS MiB |"
+        "| memory roofline | peak RSS MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print(row)
     if not args.no_save:
         os.makedirs(args.out_dir, exist_ok=True)
