@@ -1,0 +1,64 @@
+"""A/B two builds of the CPU kernels on the same data, interleaved (noise on these VMs is +-5%).
+
+python kernel_ab.py HASH_A HASH_B [rounds]   (L=300 env: longest sequence)
+HASH: the suffix of a build under ~/.cache/torch_extensions/py311_cpu/pagedllm_cpu_kernels_<HASH>
+(each edit of pagedllm/kernels/*.cpp builds a new one on first use). Decode attention, 200
+sequences of L/2..L tokens, blocks scattered, caches on huge pages as in the engine.
+"""
+
+import importlib.util
+import os
+import sys
+import time
+
+import torch
+
+from pagedllm.host_memory import advise_huge_pages
+
+
+def load(suffix: str):
+    name = f"pagedllm_cpu_kernels_{suffix}"
+    path = os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+builds = {sys.argv[1]: load(sys.argv[1]), sys.argv[2]: load(sys.argv[2])}
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 9
+L = int(os.environ.get("L", 300))
+torch.set_num_threads(2)
+B, H, HKV, D, BS, LAYERS = 200, 9, 3, 64, 16, 8
+blocks_per_seq = (L + BS - 1) // BS
+num_blocks = B * blocks_per_seq + 10
+
+
+def cache() -> torch.Tensor:
+    t = torch.empty(num_blocks, BS, HKV, D, dtype=torch.bfloat16)
+    advise_huge_pages(t)
+    return t.normal_()
+
+
+torch.manual_seed(0)
+k_caches = [cache() for _ in range(LAYERS)]
+v_caches = [cache() for _ in range(LAYERS)]
+tables = torch.randperm(num_blocks)[: B * blocks_per_seq].view(B, blocks_per_seq)
+lens = torch.randint(L // 2, L + 1, (B,), dtype=torch.long)
+q = torch.randn(B, H, D).bfloat16()
+outs, times = {}, {k: [] for k in builds}
+for r in range(rounds + 1):
+    for key, module in builds.items():
+        out = torch.empty_like(q)
+        t = time.perf_counter()
+        for k, v in zip(k_caches, v_caches, strict=True):
+            module.paged_decode_attention(out, q, k, v, tables, lens, 0.125)
+        if r:  # round 0 warms up
+            times[key].append((time.perf_counter() - t) / LAYERS)
+        outs[key] = out.float()
+read = int(lens.sum()) * HKV * D * 2 * 2
+for key, ts in times.items():
+    med = sorted(ts)[len(ts) // 2]
+    print(f"{key}: median {med * 1e3:.2f} ms per layer ({read / med / 1e9:.1f} GB/s)")
+a, b = outs.values()
+print(f"max output difference {(a - b).abs().max():.4g}")
