@@ -133,6 +133,16 @@ def run(args: argparse.Namespace) -> int:
     wall = statistics.median(walls)
     summary = workload_summary(requests)
     n_prompt, n_out = summary["prompt_tokens_total"], summary["output_tokens_total"]
+    # Peak RSS of the runs themselves: taken before the roofline probes allocate their buffers.
+    common = common_result(
+        "throughput",
+        args.label or f"pagedllm {args.kv_layout} bs{args.block_size}",
+        args,
+        engine,
+        kwargs,
+        summary,
+        walls,
+    )
     params = engine.model.num_params
     peak = gemm_peak_gflops(engine.dtype)
     gemm_s = (n_prompt + n_out) * 2 * params / (peak * 1e9)
@@ -144,15 +154,7 @@ def run(args: argparse.Namespace) -> int:
     read_gbs = read_bandwidth_gbs()
     memory_s = (kv_bytes + steps * weight_bytes) / (read_gbs * 1e9)
     result = {
-        **common_result(
-            "throughput",
-            args.label or f"pagedllm {args.kv_layout} bs{args.block_size}",
-            args,
-            engine,
-            kwargs,
-            summary,
-            walls,
-        ),
+        **common,
         "output_tok_s": round(n_out / wall, 2),
         "total_tok_s": round((n_prompt + n_out) / wall, 2),
         "req_s": round(len(requests) / wall, 4),
