@@ -22,6 +22,10 @@ import ctypes.util
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is not imported at run time: the CLI calls this module before anything heavy
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 _HUGE_PAGE = 2 << 20
 
 
-def advise_huge_pages(tensor) -> bool:
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Asks Linux to back a large CPU tensor with transparent huge pages (MADV_HUGEPAGE).
 
     Paged attention reads blocks scattered over the whole KV cache: with 4 KiB pages nearly every
