@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -35,14 +36,19 @@ _MAX_HEAP_BLOCK = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit (
 _done = False
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def keep_freed_memory_in_heap() -> bool:
     """Raises glibc's mmap and trim thresholds for this process; False where there is no glibc."""
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = _libc()
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _MAX_HEAP_BLOCK) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1 and ok
     except (OSError, AttributeError) as e:  # not glibc (musl, macOS): nothing to tune
@@ -109,9 +115,9 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     if aligned_end <= aligned_start:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(aligned_start, aligned_end - aligned_start, _MADV_HUGEPAGE) == 0
+        madvise = _libc().madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return madvise(aligned_start, aligned_end - aligned_start, _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError) as e:
         logger.debug("madvise unavailable: %s", e)
         return False
