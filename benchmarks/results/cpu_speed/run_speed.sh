@@ -2,18 +2,9 @@
 # Side-by-side CPU speed runs (issue 5), one after another under one lock, same session.
 # Needs the anchors set up (../shared/anchors/README.md): venvs, model, workload, tcmalloc.
 set -u
-export ANCHORS_DIR=${ANCHORS_DIR:-/root/anchors}
-M=$ANCHORS_DIR/models/smol135-random
-W=$ANCHORS_DIR/workload-200.json
 R=$(cd "$(dirname "$0")" && pwd)
-A=$(cd "$R/../../../../shared/anchors" && pwd)
-LOCK=/tmp/pagedllm-bench.lock
-VLLM_PY=$ANCHORS_DIR/venv-vllm/bin/python
-HF_PY=$ANCHORS_DIR/venv-hf/bin/python
-# vLLM's best configuration (its CPU docs): tcmalloc + Intel OpenMP preloaded, both cores bound.
-TCM=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
-PRE="$TCM:$(readlink -f "$ANCHORS_DIR/venv-vllm/lib/libiomp5.so")"
-cd "$R/../../.."
+source "$R/anchors_env.sh"
+cd "$REPO_DIR"
 echo "== pagedllm throughput $(date)"
 flock $LOCK pagedllm bench throughput --model $M --workload $W --repeats 3 --out-dir $R --label "pagedllm (median of 3)" 2>&1 | grep -E "^\|"
 echo "== pagedllm bs1 $(date)"

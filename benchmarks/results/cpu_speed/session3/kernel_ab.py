@@ -12,8 +12,7 @@ import sys
 import time
 
 import torch
-
-from pagedllm.host_memory import advise_huge_pages
+from attention_bandwidth import LAYERS, scattered_decode_batch
 
 
 def load(suffix: str):
@@ -27,25 +26,10 @@ def load(suffix: str):
 
 builds = {sys.argv[1]: load(sys.argv[1]), sys.argv[2]: load(sys.argv[2])}
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 9
-L = int(os.environ.get("L", 300))
 torch.set_num_threads(2)
-B, H, HKV, D, BS, LAYERS = 200, 9, 3, 64, 16, 8
-blocks_per_seq = (L + BS - 1) // BS
-num_blocks = B * blocks_per_seq + 10
-
-
-def cache() -> torch.Tensor:
-    t = torch.empty(num_blocks, BS, HKV, D, dtype=torch.bfloat16)
-    advise_huge_pages(t)
-    return t.normal_()
-
-
-torch.manual_seed(0)
-k_caches = [cache() for _ in range(LAYERS)]
-v_caches = [cache() for _ in range(LAYERS)]
-tables = torch.randperm(num_blocks)[: B * blocks_per_seq].view(B, blocks_per_seq)
-lens = torch.randint(L // 2, L + 1, (B,), dtype=torch.long)
-q = torch.randn(B, H, D).bfloat16()
+k_caches, v_caches, tables, lens, q, read = scattered_decode_batch(
+    int(os.environ.get("L", 300)), huge=True, ragged=True
+)
 outs, times = {}, {k: [] for k in builds}
 for r in range(rounds + 1):
     for key, module in builds.items():
@@ -56,7 +40,6 @@ for r in range(rounds + 1):
         if r:  # round 0 warms up
             times[key].append((time.perf_counter() - t) / LAYERS)
         outs[key] = out.float()
-read = int(lens.sum()) * HKV * D * 2 * 2
 for key, ts in times.items():
     med = sorted(ts)[len(ts) // 2]
     print(f"{key}: median {med * 1e3:.2f} ms per layer ({read / med / 1e9:.1f} GB/s)")
