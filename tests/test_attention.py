@@ -35,7 +35,7 @@ def build_batch(
     total_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 3
     free = list(range(total_blocks))
     rng.shuffle(free)
-    k_cache = torch.zeros(total_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.zeros(total_blocks, num_kv_heads, block_size, head_dim, dtype=dtype)  # head-major blocks
     v_cache = torch.zeros_like(k_cache)
     tables, dense, slots, qs, ks, vs = [], [], [], [], [], []
     for ctx, ql in seqs:
@@ -44,8 +44,8 @@ def build_batch(
         k_all = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
         v_all = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
         for p in range(ctx):  # earlier tokens are already in the cache
-            k_cache[table[p // block_size], p % block_size] = k_all[p]
-            v_cache[table[p // block_size], p % block_size] = v_all[p]
+            k_cache[table[p // block_size], :, p % block_size] = k_all[p]
+            v_cache[table[p // block_size], :, p % block_size] = v_all[p]
         slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, n)]
         qs.append(torch.randn(ql, num_heads, head_dim, generator=g).to(dtype))
         ks.append(k_all[ctx:])

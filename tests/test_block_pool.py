@@ -67,6 +67,19 @@ def test_allocate_more_than_free_raises_and_changes_nothing():
     pool.free(held)
 
 
+def test_placement_follows_and_leaves_room():
+    pool = BlockPool(16, enable_caching=False)
+    a = pool.allocate(2, room=5)  # a new sequence that may grow to 5 blocks
+    b = pool.allocate(1, room=4)  # the next one starts past that room
+    assert a == [0, 1] and b == [5]
+    assert pool.allocate(2, follow=a[-1]) == [2, 3]  # a grows in place
+    assert pool.allocate(2, follow=b[-1]) == [6, 7]
+    pool.free([3, 2])
+    # the block after 7 is free: taken; a later request past 15 falls back to the free queue
+    assert pool.allocate(1, follow=7) == [8]
+    assert pool.allocate(1, follow=15) == [2]  # no block 16: the queue, where uncached frees go first
+
+
 def test_lru_eviction_order():
     pool = BlockPool(4)
     blocks = pool.allocate(4)
@@ -176,7 +189,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
         free = self.free_blocks()
         n = data.draw(st.integers(0, len(free)), label="n")
         uncached_free = {b for b in free if b not in self.hash_of}
-        got = self.pool.allocate(n)
+        # Placement hints change which free blocks are chosen, never the rules checked below.
+        hint = data.draw(st.sampled_from(["none", "follow", "room"]), label="hint")
+        follow = data.draw(st.integers(0, self.n - 1), label="follow") if hint == "follow" else None
+        room = data.draw(st.integers(1, 2 * self.n), label="room") if hint == "room" else 0
+        got = self.pool.allocate(n, follow=follow, room=room)
+        if follow is not None and n and follow + 1 in uncached_free:
+            assert got[0] == follow + 1, "the block after the sequence's last one was free but not used"
         assert len(got) == n and len(set(got)) == n
         # Only free blocks are handed out: never one somebody (or the cache's user) references.
         assert set(got) <= free

@@ -30,7 +30,7 @@ def test_rope_and_cache_write_is_bit_exact(h, hkv, d):
     slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
     angles = torch.rand(100, d // 2, generator=g) * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    k_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=BF16)
+    k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=BF16)
     v_cache = torch.zeros_like(k_cache)
 
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
@@ -47,6 +47,8 @@ def test_rope_and_cache_write_is_bit_exact(h, hkv, d):
     assert torch.equal(view[:, : h * d].view(t, h, d), q_ref)
     assert torch.equal(view[:, h * d : (h + hkv) * d].view(t, hkv, d), k_ref)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    # the layout itself: a head's keys of a block are contiguous, [block, kv head, offset, dim]
+    assert torch.equal(k_cache[slots // block_size, :, slots % block_size], k_ref)
     assert torch.equal(buf[:, qkv.shape[1] :], torch.zeros(t, 32, dtype=BF16))  # nothing past the row
 
 
@@ -91,8 +93,8 @@ def test_small_gemm_matches_linear(m, bias):
 def test_decode_kernel_reads_strided_queries():
     g = torch.Generator().manual_seed(3)
     h, hkv, d, bs = 9, 3, 64, 16
-    k_cache = torch.randn(6, bs, hkv, d, generator=g).to(BF16)
-    v_cache = torch.randn(6, bs, hkv, d, generator=g).to(BF16)
+    k_cache = torch.randn(6, hkv, bs, d, generator=g).to(BF16)
+    v_cache = torch.randn(6, hkv, bs, d, generator=g).to(BF16)
     tables = torch.tensor([[3, 1, 5], [0, 2, 4]])
     lens = torch.tensor([40, 17])
     wide = torch.randn(2, (h + 2 * hkv) * d, generator=g).to(BF16)

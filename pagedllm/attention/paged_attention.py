@@ -1,6 +1,6 @@
 """Reference paged attention in plain PyTorch (any device).
 
-K/V live in a paged cache ``[num_blocks, block_size, num_kv_heads, head_dim]``. New tokens are
+K/V live in a paged cache ``[num_blocks, num_kv_heads, block_size, head_dim]``. New tokens are
 written at their slots; queries then attend to their sequence's keys, read by indexing the cache
 with the sequence's block table (no per-sequence cache is ever kept).
 """
@@ -21,9 +21,10 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots."""
-    nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, key)
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, value)
+    bs = k_cache.shape[2]
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs
+    k_cache[blocks, :, offsets] = key
+    v_cache[blocks, :, offsets] = value
 
 
 def paged_attention(
@@ -70,11 +71,12 @@ def attend(
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
     nd, h, d = q.shape
-    _, bs, hkv, _ = k_cache.shape
+    _, hkv, bs, _ = k_cache.shape
     bt = meta.decode_block_tables
     nblk = bt.shape[1]
-    k = k_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
-    v = v_cache[bt].view(nd, nblk * bs, hkv, d).transpose(1, 2)
+    # [nd, nblk, hkv, bs, d] -> [nd, hkv, nblk * bs, d]
+    k = k_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
+    v = v_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(bs), scale=scale, enable_gqa=hkv != h
     )
@@ -83,14 +85,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
 
 def _prefill(q, key, value, k_cache, v_cache, p, scale):
     h = q.shape[1]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hkv, d = k_cache.shape[1], k_cache.shape[3]
     if p.context_len == 0:
         # Nothing earlier in the cache: this chunk's own K/V are the whole context.
-        k, v = key, value
+        k, v = key.transpose(0, 1), value.transpose(0, 1)
     else:
-        k = k_cache[p.block_ids].view(-1, hkv, d)[: p.seq_len]
-        v = v_cache[p.block_ids].view(-1, hkv, d)[: p.seq_len]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)
+        # [nblk, hkv, bs, d] -> [hkv, nblk * bs, d], cut to the sequence
+        k = k_cache[p.block_ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len]
+        v = v_cache[p.block_ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len]
     # 4-D (batch of 1): the CPU's fused flash kernel only takes 4-D inputs; 3-D goes to "math".
     # With 4-D inputs it also handles GQA itself (enable_gqa), 1.3-1.5x faster than expanding
     # the KV heads first (bf16, 184-512 query tokens, 9/3 heads).

@@ -44,7 +44,7 @@ inline void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int
 }  // namespace
 
 // qkv: [T, (H + 2 * Hkv) * D] bf16, rows may be strided; q and k parts are rotated in place,
-// then k and v are stored at slot_mapping in the paged caches [num_blocks, block_size, Hkv, D].
+// then k and v are stored at slot_mapping in the paged caches [num_blocks, Hkv, block_size, D].
 // cos/sin: [max_positions, D] bf16 tables (the reference casts its float tables to bf16 too).
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
@@ -68,6 +68,8 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
   uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
   uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
   const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D, max_pos = cos.size(0);
+  const int64_t block_size = k_cache.size(2), head_stride = block_size * D, blk_stride = num_kv_heads * head_stride;
+  TORCH_CHECK(k_cache.size(1) == num_kv_heads && k_cache.sizes() == v_cache.sizes(), "cache geometry");
   at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position out of range of the RoPE table");
@@ -76,8 +78,11 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
       const uint16_t* s = snp + pp[t] * D;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rope_head(row + h * D, c, s, D);
       const uint16_t* k = row + num_heads * D;
-      std::memcpy(kc + sp[t] * kv_row, k, kv_row * sizeof(uint16_t));
-      std::memcpy(vc + sp[t] * kv_row, k + kv_row, kv_row * sizeof(uint16_t));
+      const int64_t at = (sp[t] / block_size) * blk_stride + (sp[t] % block_size) * D;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        std::memcpy(kc + at + h * head_stride, k + h * D, D * sizeof(uint16_t));
+        std::memcpy(vc + at + h * head_stride, k + kv_row + h * D, D * sizeof(uint16_t));
+      }
     }
   });
 }

@@ -2,7 +2,7 @@
 // values read in place from the paged cache through the block table (no gather, no copy).
 //
 // q:            [num_seqs, num_heads, head_dim]            (float or bfloat16)
-// k/v_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+// k/v_cache:    [num_blocks, num_kv_heads, block_size, head_dim] (a head's keys of a block are contiguous)
 // block_tables: [num_seqs, max_blocks] int64
 // seq_lens:     [num_seqs] int64 (keys 0 .. seq_len-1 are visible)
 // out:          [num_seqs, num_heads, head_dim] (may be the first rows of a larger contiguous tensor)
@@ -51,7 +51,8 @@ inline float softmax_unnormalized(float* s, int64_t len) {
 }
 
 struct Geometry {
-  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, tok_stride, blk_stride, q_stride;
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, tok_stride, head_stride, blk_stride,
+      q_stride;
 };
 
 // Portable path (any dtype, any head_dim): rows widened to float, compiler-vectorized loops.
@@ -66,7 +67,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
     for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_f(qp[s * g.q_stride + (h * G + j) * D + d]) * scale;
   scores.resize(G * len);
   for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* kt = kp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * D;
+    const scalar_t* kt = kp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * g.head_stride;
     load_row(kt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = qf.data() + j * D;
@@ -80,7 +81,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
   for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalized(scores.data() + j * len, len);
   acc.assign(G * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* vt = vp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * D;
+    const scalar_t* vt = vp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * g.head_stride;
     load_row(vt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
       const float p = scores[j * len + t];
@@ -117,10 +118,10 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
   const int64_t nblk = (len + bs - 1) / bs;
   for (int64_t b = 0; b < nblk; ++b) {
-    const uint16_t* kb = kp + table[b] * g.blk_stride + h * D;
+    const uint16_t* kb = kp + table[b] * g.blk_stride + h * g.head_stride;
     const int64_t n = std::min(bs, len - b * bs);
-    if (b == 0 && nblk > 1) prefetch_head_rows(kp + table[1] * g.blk_stride + h * D, bs, g.tok_stride, D);
-    if (b + 2 < nblk) prefetch_head_rows(kp + table[b + 2] * g.blk_stride + h * D, bs, g.tok_stride, D);
+    if (b == 0 && nblk > 1) prefetch_head_rows(kp + table[1] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
+    if (b + 2 < nblk) prefetch_head_rows(kp + table[b + 2] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
     for (int64_t j = 0; j < G; ++j) {
       __m512bh qv[C];
       for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
@@ -140,10 +141,10 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   vbuf.resize(bs * D);
   float* VF = vbuf.data();
   for (int64_t b = 0; b < nblk; ++b) {
-    const uint16_t* vb = vp + table[b] * g.blk_stride + h * D;
+    const uint16_t* vb = vp + table[b] * g.blk_stride + h * g.head_stride;
     const int64_t n = std::min(bs, len - b * bs);
-    if (b == 0 && nblk > 1) prefetch_head_rows(vp + table[1] * g.blk_stride + h * D, bs, g.tok_stride, D);
-    if (b + 2 < nblk) prefetch_head_rows(vp + table[b + 2] * g.blk_stride + h * D, bs, g.tok_stride, D);
+    if (b == 0 && nblk > 1) prefetch_head_rows(vp + table[1] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
+    if (b + 2 < nblk) prefetch_head_rows(vp + table[b + 2] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
     // The thread's next item starts on a cold block otherwise (+2%, with the cache on huge pages;
     // with 4 KiB pages this prefetch's page walk made it slower).
     else if (b + 2 == nblk && next_k != nullptr) prefetch_head_rows(next_k, bs, g.tok_stride, D);
@@ -175,12 +176,13 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
   const int64_t num_seqs = q.size(0);
   g.num_heads = q.size(1);
   g.head_dim = q.size(2);
-  g.block_size = k_cache.size(1);
-  g.num_kv_heads = k_cache.size(2);
+  g.num_kv_heads = k_cache.size(1);
+  g.block_size = k_cache.size(2);
   g.group = g.num_heads / g.num_kv_heads;
   g.max_blocks = block_tables.size(1);
-  g.tok_stride = g.num_kv_heads * g.head_dim;
-  g.blk_stride = g.block_size * g.tok_stride;
+  g.tok_stride = g.head_dim;
+  g.head_stride = g.block_size * g.head_dim;
+  g.blk_stride = g.num_kv_heads * g.head_stride;
   g.q_stride = q.stride(0);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
@@ -215,7 +217,7 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
           const uint16_t* next_k = nullptr;
           if (item + 1 < bounds[tid + 1]) {
             const int64_t ns = (item + 1) / g.num_kv_heads, nh = (item + 1) % g.num_kv_heads;
-            next_k = k16 + bt[ns * g.max_blocks] * g.blk_stride + nh * g.head_dim;
+            next_k = k16 + bt[ns * g.max_blocks] * g.blk_stride + nh * g.head_stride;
           }
           switch (g.head_dim) {
             case 32: attend_bf16<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
@@ -242,7 +244,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
               "paged_decode_attention: bad layout (heads of a row must be contiguous; caches and out contiguous)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong,
               "paged_decode_attention: block_tables and seq_lens must be int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be like q");
   if (q.size(0) == 0) return;
   if (q.scalar_type() == torch::kFloat) {

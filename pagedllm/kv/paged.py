@@ -114,7 +114,11 @@ class PagedKVCacheManager(KVCacheManager):
                 table[i] = b
             self.num_cow_copies += len(cow)
         if num_new_blocks > 0:
-            table.extend(self.pool.allocate(num_new_blocks))
+            if table:
+                table.extend(self.pool.allocate(num_new_blocks, follow=table[-1]))
+            else:  # a new sequence: room for all it may grow to (placement only, not reserved)
+                max_len = request.num_prompt_tokens + (request.sampling_params.max_tokens or 0)
+                table.extend(self.pool.allocate(num_new_blocks, room=max(cdiv(max_len, self.block_size), 1)))
         self._num_tokens[rid] = max(num_tokens, self._num_tokens.get(rid, 0))
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, num_tokens)
