@@ -12,6 +12,7 @@ generator. Those extra rows come back in the output, named by ``SamplerOutput.re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``argmax_rows``: the compiled bf16 row argmax (pagedllm.kernels), or None for torch's."""
         # Draws for requests without their own seed: reproducible per engine, not per request.
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self.argmax_rows = argmax_rows
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """``logits`` in any float dtype: an all-greedy batch without logprobs or penalties takes
@@ -47,7 +50,7 @@ class Sampler:
         want_logprobs = any(r.needs_logprobs for r in requests)
         penalties = _needs_penalties(requests)
         if not want_logprobs and not penalties and all(r.sampling_params.greedy for r in requests):
-            ids = logits.max(dim=-1).indices.tolist()
+            ids = self._greedy(logits).tolist()
             return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
         logits = logits.float()
         processed = self._apply_penalties(logits.clone(), requests) if penalties else logits
@@ -78,6 +81,12 @@ class Sampler:
                     d.setdefault(t, v)
             top.append(d)
         return SamplerOutput(ids, chosen_l, top, expanded)
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.argmax_rows is not None and logits.dtype == torch.bfloat16 and logits.stride(-1) == 1:
+            return self.argmax_rows(logits)
+        # max().indices is argmax (first maximum on ties) but ~3x faster on the CPU
+        return logits.max(dim=-1).indices
 
     # ---- logits processing ---------------------------------------------------------------
     @staticmethod

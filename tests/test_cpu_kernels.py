@@ -15,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.attention.paged_attention import write_kv_cache
 from pagedllm.kernels import load_cpu_kernels
 from pagedllm.models.llama import apply_rope
+from pagedllm.sampler import Sampler
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels could not be built here")
@@ -126,3 +127,35 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family):
             assert abs(fast.logprobs[i][a] - ref.logprobs[i][b]) < 0.1
             compared += 1
     assert compared >= 12
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 49152 + 5])
+def test_argmax_rows_equals_torch_first_maximum(n):
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randn(7, n + 3, generator=g).to(BF16)[:, :n]  # strided rows
+    rows[1] = rows[1].round()  # many ties: the first maximum wins
+    rows[2, : n // 2] = float("-inf")  # masked tokens
+    rows[3] = 0.0
+    rows[3, n // 2 :] = -0.0  # -0 and +0 are equal
+    rows[4] = -rows[4].abs() - 1  # all negative
+    rows[5, -1] = 100.0  # the maximum in the tail
+    expected = rows.float().max(dim=-1).indices
+    first = torch.stack([(r.float() == r.float().max()).nonzero()[0, 0] for r in rows])
+    assert torch.equal(expected, first)  # torch's max returns the first maximum here too
+    assert torch.equal(kernels.argmax_rows(rows), expected)
+
+
+def test_greedy_sampler_uses_the_kernel_and_agrees():
+    from test_sampling import make_req
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(BF16)
+    reqs = [make_req(prompt=[1], temperature=0.0) for _ in range(5)]
+    calls = []
+
+    def counting(x):
+        calls.append(x.shape)
+        return kernels.argmax_rows(x)
+
+    fast = Sampler(argmax_rows=counting)(logits, reqs).token_ids
+    assert calls == [logits.shape]
+    assert fast == Sampler()(logits, reqs).token_ids == logits.float().argmax(-1).tolist()

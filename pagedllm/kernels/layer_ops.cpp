@@ -6,6 +6,7 @@
 // so RoPE and SiLU-and-multiply give the reference's bits; RMSNorm rounds once at the end.
 #include "common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -140,6 +141,64 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
       uint16_t* o = op + t * N;
 #pragma omp simd
       for (int64_t i = 0; i < N; ++i) o[i] = float_to_bf16_bits(bf16_bits_to_float(r[i]) * inv * bf16_bits_to_float(wp[i]));
+    }
+  });
+  return out;
+}
+
+namespace {
+// bf16 bits -> int16 whose signed order is the float order, with -0 == +0 (so ties between
+// zeros go to the first index, as torch's max does).
+inline int16_t bf16_order_key(uint16_t x) {
+  const int16_t v = static_cast<int16_t>(x), s = static_cast<int16_t>(v >> 15);
+  return static_cast<int16_t>((v ^ (s & 0x7FFF)) - s);
+}
+}  // namespace
+
+// Index of the first maximum of each row of [M, N] bfloat16 logits (greedy sampling). Compares
+// integer keys of the bf16 bits, 32 per instruction; torch's bf16 max reduction is several times
+// slower on this path (3.5 ms per step for 200 x 49K logits). A NaN logit counts as the largest.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: [M, N] bfloat16 with contiguous rows, N > 0");
+  const int64_t M = x.size(0), N = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* p = base + r * stride;
+      int64_t i = 0;
+      int16_t best = bf16_order_key(p[0]);
+#if PAGEDLLM_AVX512BF16 && defined(__AVX512BW__)
+      const __m512i neg = _mm512_set1_epi16(0x7FFF);
+      auto keys = [&](int64_t at) {
+        const __m512i v = _mm512_loadu_si512(p + at);
+        const __m512i s = _mm512_srai_epi16(v, 15);
+        return _mm512_sub_epi16(_mm512_xor_si512(v, _mm512_and_si512(s, neg)), s);
+      };
+      if (N >= 32) {
+        __m512i mx = keys(0);
+        for (i = 32; i + 32 <= N; i += 32) mx = _mm512_max_epi16(mx, keys(i));
+        alignas(64) int16_t lanes[32];
+        _mm512_store_si512(lanes, mx);
+        for (int l = 0; l < 32; ++l) best = std::max(best, lanes[l]);
+      }
+#endif
+      for (; i < N; ++i) best = std::max(best, bf16_order_key(p[i]));
+      int64_t at = 0;
+#if PAGEDLLM_AVX512BF16 && defined(__AVX512BW__)
+      const __m512i want = _mm512_set1_epi16(best);
+      for (; at + 32 <= N; at += 32) {
+        const uint32_t hit = _mm512_cmpeq_epi16_mask(keys(at), want);
+        if (hit != 0) {
+          at += __builtin_ctz(hit);
+          break;
+        }
+      }
+#endif
+      while (bf16_order_key(p[at]) != best) ++at;
+      op[r] = at;
     }
   });
   return out;

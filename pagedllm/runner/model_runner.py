@@ -35,7 +35,7 @@ class ModelRunner:
         self.kv = kv_manager
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, cpu_kernels.argmax_rows if cpu_kernels is not None else None)
         self.decode_kernel = cpu_kernels.paged_decode_attention if cpu_kernels is not None else None
 
     @torch.inference_mode()
