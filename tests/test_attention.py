@@ -132,3 +132,42 @@ def test_prefill_without_context_is_causal():
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.5
     ).transpose(0, 1)
     torch.testing.assert_close(out, ref)
+
+
+PREFILL_CASES = [  # block_size, heads, kv_heads (head_dim 64, the kernel's)
+    (16, 9, 3),
+    (32, 8, 8),
+    (48, 4, 1),
+]
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    kernels is None or not kernels.prefill_attention_available(64, 16, 3), reason="no AMX prefill kernel here"
+)
+@pytest.mark.parametrize("block_size,h,hkv", PREFILL_CASES)
+def test_prefill_kernel_equals_reference(block_size, h, hkv):
+    """All prefill chunks of a step in one call: fresh prompts around the 16-row tile size,
+    chunks after a cached context, mixed with decodes (which it must leave alone)."""
+    decode_lens = [3, 40]
+    prefills = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 100), (20, 5), (31, 40), (5, 200)]
+    q, k, v, kc, vc, meta, dense = build_batch(block_size, h, hkv, 64, 1, decode_lens, prefills, torch.bfloat16)
+    scale = 0.125
+    ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    meta.prefill_kernel = kernels.paged_prefill_attention
+    out = paged_attention(q, k, v, kc, vc, meta, scale)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    # ... and as close to exact (float) attention as the reference is
+    row = 0
+    for k_all, v_all, ctx in dense:
+        ql = k_all.shape[0] - ctx
+        exact = dense_attention(q[row : row + ql], k_all, v_all, ctx, scale)
+        err, ref_err = ((x[row : row + ql].float() - exact).abs().max() for x in (out, ref))
+        assert err <= max(2 * ref_err, 1e-2), (row, err, ref_err)
+        row += ql
+
+
+@needs_kernel
+def test_prefill_kernel_availability():
+    assert not kernels.prefill_attention_available(32, 16, 2)  # head_dim 64 only
+    assert not kernels.prefill_attention_available(64, 8, 2)  # blocks of whole 16-row tiles only

@@ -106,16 +106,32 @@ def test_decode_kernel_reads_strided_queries():
     assert torch.equal(out_strided, out_contig)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family):
+@pytest.mark.parametrize(
+    "family,engine_args",
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("mistral", {}),  # head_dim 64: prompts through the AMX prefill kernel where there is one
+        ("mistral", {"max_num_batched_tokens": 16}),  # prompt chunks after a cached context
+    ],
+)
+def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engine_args):
     """Greedy decoding through the kernels follows the reference path token for token, except
     after a position where the reference's top two logprobs are a near-tie (bf16 rounding)."""
     prompts = [[1, 5, 9, 200, 3], list(range(10, 60)), [7] * 23]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     outs = {}
     for backend in ("auto", "torch"):
-        llm = LLM(model=tiny_model_dirs[family], dtype="bfloat16", num_kv_blocks=64, attention_backend=backend)
+        llm = LLM(
+            model=tiny_model_dirs[family],
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            attention_backend=backend,
+            **engine_args,
+        )
         assert (llm.llm_engine.model.kernels is not None) == (backend == "auto")
+        if backend == "auto" and family == "mistral" and kernels.prefill_attention_available(64, 16, 2):
+            assert llm.llm_engine.runner.prefill_kernel is not None
         outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     compared = 0
     for fast, ref in zip(outs["auto"], outs["torch"], strict=True):

@@ -110,10 +110,10 @@ def build_model(family: str, out_dir: str, seed: int = 0) -> str:
         )
         cls = Qwen2ForCausalLM
     elif family == "mistral":  # explicit head_dim different from hidden/heads, sliding window config
-        cfg = MistralConfig(
+        cfg = MistralConfig(  # head_dim 64: the compiled prefill kernel's size (tests/test_cpu_kernels.py)
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=32,
+            head_dim=64,
             tie_word_embeddings=False,
             sliding_window=4096,
             rope_theta=10000.0,

@@ -39,7 +39,29 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     # Compiled decode kernel (reads the cache in place), or None for the PyTorch reference path.
     decode_kernel: Callable | None = None
+    # Compiled prefill kernel for all prefill chunks at once (pagedllm.kernels.paged_prefill_attention),
+    # or None: torch SDPA per sequence.
+    prefill_kernel: Callable | None = None
     _decode_mask: torch.Tensor | None = None
+    _prefill_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prefill_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill chunks as the prefill kernel takes them (built once per step): block tables
+        [n, max_blocks] padded with 0, and the query starts, query lengths, context lengths [n]."""
+        if self._prefill_batch is None:
+            ps = self.prefills
+            width = max(len(p.block_ids) for p in ps)
+            tables = torch.zeros(len(ps), width, dtype=torch.long)
+            for i, p in enumerate(ps):
+                tables[i, : len(p.block_ids)] = p.block_ids
+            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+            self._prefill_batch = (
+                tables,
+                as_tensor([p.query_start for p in ps]),
+                as_tensor([p.query_len for p in ps]),
+                as_tensor([p.context_len for p in ps]),
+            )
+        return self._prefill_batch
 
     def decode_mask(self, block_size: int) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] bool, True where a key is visible (built once)."""

@@ -63,6 +63,10 @@ def attend(
         )
     elif nd:
         out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale)
+    if meta.prefills and meta.prefill_kernel is not None:
+        # One call for every chunk; it reads the chunks' own K/V back from the cache too.
+        meta.prefill_kernel(out, query, k_cache, v_cache, *meta.prefill_batch(), scale)
+        return out
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
         out[rows] = _prefill(query[rows], key[rows], value[rows], k_cache, v_cache, p, scale)

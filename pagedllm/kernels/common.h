@@ -13,8 +13,20 @@
 #else
 #define PAGEDLLM_AVX512BF16 0
 #endif
+// AMX tiles (bf16 tile products), for the prefill attention kernel.
+#if PAGEDLLM_AVX512BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDLLM_AMX 1
+#else
+#define PAGEDLLM_AMX 0
+#endif
 
 inline float bf16_bits_to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
+// float -> bfloat16 bits, round to nearest even (no NaNs reach these kernels).
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 
 #if PAGEDLLM_AVX512BF16
 inline __m512 bf16x16_to_float(const uint16_t* p) {

@@ -12,12 +12,6 @@
 
 namespace {
 
-// float -> bfloat16 bits, round to nearest even (no NaNs reach these kernels).
-inline uint16_t float_to_bf16_bits(float f) {
-  uint32_t u = __builtin_bit_cast(uint32_t, f);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
 
 // Rows are independent; a grain of ~16K elements keeps single-token steps on one thread

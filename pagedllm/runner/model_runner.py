@@ -37,6 +37,12 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed, cpu_kernels.argmax_rows if cpu_kernels is not None else None)
         self.decode_kernel = cpu_kernels.paged_decode_attention if cpu_kernels is not None else None
+        self.prefill_kernel = None
+        if cpu_kernels is not None and kv_caches and kv_caches[0][0].dtype == torch.bfloat16:
+            attn = model.layers[0].self_attn
+            group = attn.num_heads // attn.num_kv_heads
+            if cpu_kernels.prefill_attention_available(attn.head_dim, block_size, group):
+                self.prefill_kernel = cpu_kernels.paged_prefill_attention
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
@@ -127,6 +133,7 @@ class ModelRunner:
             decode_seq_lens=decode_lens,
             prefills=prefill_seqs,
             decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -1,10 +1,13 @@
 """Decode attention kernel alone: ms per layer and GB/s of K/V read, 200 sequences x 300 tokens.
 
 python attention_bandwidth.py THREADS [huge]   ("huge": caches on transparent huge pages, as the engine)
-Blocks of each sequence are scattered over the cache (random permutation), as after a long run.
-`scattered_decode_batch` is also the data kernel_ab.py compares two builds on.
+Blocks of each sequence are scattered over the cache (random permutation), as after a long run;
+with PLACED=1 each sequence's blocks follow one another, as the block pool places them since
+session 4. `scattered_decode_batch` is also the data kernel_ab.py compares two builds on. The
+caches have the engine's layout: [num_blocks, kv_heads, block_size, head_dim] since session 4.
 """
 
+import os
 import sys
 import time
 
@@ -22,7 +25,7 @@ def scattered_decode_batch(max_len: int, huge: bool, ragged: bool):
     num_blocks = SEQS * blocks_per_seq + 10
 
     def cache() -> torch.Tensor:
-        t = torch.empty(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        t = torch.empty(num_blocks, KV_HEADS, BLOCK, HEAD_DIM, dtype=torch.bfloat16)
         if huge:
             advise_huge_pages(t)
         return t.normal_()
@@ -30,7 +33,10 @@ def scattered_decode_batch(max_len: int, huge: bool, ragged: bool):
     torch.manual_seed(0)
     k_caches = [cache() for _ in range(LAYERS)]
     v_caches = [cache() for _ in range(LAYERS)]
-    tables = torch.randperm(num_blocks)[: SEQS * blocks_per_seq].view(SEQS, blocks_per_seq)
+    if os.environ.get("PLACED") == "1":
+        tables = torch.arange(SEQS * blocks_per_seq).view(SEQS, blocks_per_seq)
+    else:
+        tables = torch.randperm(num_blocks)[: SEQS * blocks_per_seq].view(SEQS, blocks_per_seq)
     if ragged:
         lens = torch.randint(max_len // 2, max_len + 1, (SEQS,), dtype=torch.long)
     else:
