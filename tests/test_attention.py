@@ -134,10 +134,11 @@ def test_prefill_without_context_is_causal():
     torch.testing.assert_close(out, ref)
 
 
-PREFILL_CASES = [  # block_size, heads, kv_heads (head_dim 64, the kernel's)
-    (16, 9, 3),
-    (32, 8, 8),
-    (48, 4, 1),
+PREFILL_CASES = [  # block_size, heads, kv_heads, head_dim (the kernel's: 64 or 128)
+    (16, 9, 3, 64),
+    (32, 8, 8, 64),
+    (48, 4, 1, 64),
+    (16, 8, 2, 128),
 ]
 
 
@@ -145,14 +146,14 @@ PREFILL_CASES = [  # block_size, heads, kv_heads (head_dim 64, the kernel's)
 @pytest.mark.skipif(
     kernels is None or not kernels.prefill_attention_available(64, 16, 3), reason="no AMX prefill kernel here"
 )
-@pytest.mark.parametrize("block_size,h,hkv", PREFILL_CASES)
-def test_prefill_kernel_equals_reference(block_size, h, hkv):
+@pytest.mark.parametrize("block_size,h,hkv,d", PREFILL_CASES)
+def test_prefill_kernel_equals_reference(block_size, h, hkv, d):
     """All prefill chunks of a step in one call: fresh prompts around the 16-row tile size,
     chunks after a cached context, mixed with decodes (which it must leave alone)."""
     decode_lens = [3, 40]
     prefills = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 100), (20, 5), (31, 40), (5, 200)]
-    q, k, v, kc, vc, meta, dense = build_batch(block_size, h, hkv, 64, 1, decode_lens, prefills, torch.bfloat16)
-    scale = 0.125
+    q, k, v, kc, vc, meta, dense = build_batch(block_size, h, hkv, d, 1, decode_lens, prefills, torch.bfloat16)
+    scale = 1 / math.sqrt(d)
     ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale)
     meta.prefill_kernel = kernels.paged_prefill_attention
     out = paged_attention(q, k, v, kc, vc, meta, scale)
@@ -169,5 +170,5 @@ def test_prefill_kernel_equals_reference(block_size, h, hkv):
 
 @needs_kernel
 def test_prefill_kernel_availability():
-    assert not kernels.prefill_attention_available(32, 16, 2)  # head_dim 64 only
+    assert not kernels.prefill_attention_available(32, 16, 2)  # head_dim 64 or 128 only
     assert not kernels.prefill_attention_available(64, 8, 2)  # blocks of whole 16-row tiles only

@@ -7,7 +7,7 @@
 // Sequence i's queries are rows query_starts[i] .. + query_lens[i] of q, at positions
 // context_lens[i] .. context_lens[i] + query_lens[i] - 1; each sees keys 0 .. its own position.
 //
-// torch's flash SDPA, called once per sequence, ran at 170-430 GFLOP/s on the prompt lengths of a
+// head_dim 64 or 128, block_size a multiple of 16. torch's flash SDPA, called once per sequence, ran at 170-430 GFLOP/s on the prompt lengths of a
 // chat workload (it is overhead-bound below ~400 tokens). Here one work item is a (sequence, KV
 // head): its keys are transposed and its values pair-interleaved once into the layouts AMX's B
 // operand wants, then every 16-query tile of each query head of the group is two tile products:
@@ -55,17 +55,18 @@ struct Work {
   std::vector<float> s;       // scores of one query tile: [16][keys_pad]
   std::vector<uint16_t> p;    // probabilities, bf16: [16][keys_pad]
   std::vector<uint16_t> qpad; // a query tile with fewer than 16 rows, zero-padded
-  float o[TILE * 64];         // output tile, float (head_dim 64)
+  float o[TILE * 128];        // output tile, float
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// D = 64 (the tile assignment below is written for two 32-dim halves and four 16-dim output tiles).
+// D = 64 or 128: q.k in 32-dim chunks (query tiles 0..D/32-1), P.V in 64-dim passes of four
+// 16-dim output tiles (4..7).
 template <int D>
 void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint16_t* kc, const uint16_t* vc,
                     int64_t blk_stride, int64_t head_stride, int64_t bs, const int64_t* table, int64_t h, int64_t G,
                     int64_t num_heads, int64_t q0row, int64_t qlen, int64_t ctx, float scale, Work& w) {
-  static_assert(D == 64, "tiles are assigned for head_dim 64");
+  static_assert(D == 64 || D == 128, "tiles are assigned for head_dim 64 or 128");
   const int64_t seq_len = ctx + qlen;
   const int64_t kpad = round_up(seq_len, 32);
   // K^T and V of this head, once for all query tiles and all G query heads.
@@ -96,16 +97,27 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
         qt = w.qpad.data();
         qstride = D * 2;
       }
-      // Tiles 0, 1: the query tile's two 32-dim halves; 4, 5: the matching K^T tiles; 7: scores.
+      // Tiles 0..D/32-1: the query tile's 32-dim chunks; 4, 5: the matching K^T tiles; 7: scores.
       _tile_loadd(0, qt, qstride);
       _tile_loadd(1, qt + 32, qstride);
+      if constexpr (D == 128) {
+        _tile_loadd(2, qt + 64, qstride);
+        _tile_loadd(3, qt + 96, qstride);
+      }
       float* S = w.s.data();
+      const uint32_t* KT = w.kt.data();
       for (int64_t kt = 0; kt < nkt; ++kt) {
         _tile_zero(7);
-        _tile_loadd(4, w.kt.data() + kt * TILE, kpad * 4);
-        _tile_loadd(5, w.kt.data() + TILE * kpad + kt * TILE, kpad * 4);
+        _tile_loadd(4, KT + kt * TILE, kpad * 4);
+        _tile_loadd(5, KT + TILE * kpad + kt * TILE, kpad * 4);
         _tile_dpbf16ps(7, 0, 4);
         _tile_dpbf16ps(7, 1, 5);
+        if constexpr (D == 128) {
+          _tile_loadd(4, KT + 2 * TILE * kpad + kt * TILE, kpad * 4);
+          _tile_loadd(5, KT + 3 * TILE * kpad + kt * TILE, kpad * 4);
+          _tile_dpbf16ps(7, 2, 4);
+          _tile_dpbf16ps(7, 3, 5);
+        }
         _tile_stored(7, S + kt * TILE, kpad * 4);
       }
       // Row softmax over the visible keys; P = 0 elsewhere (up to the 32-key chunk boundary).
@@ -146,30 +158,29 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
         std::fill(pr + vis, pr + nk32, 0);
         inv[r] = 1.f / sum;
       }
-      // O = P V: tile 0 = 32 keys of P, tile 1 = their V pairs for 16 dims, tiles 4..7 = O.
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t k0 = 0; k0 < nk32; k0 += 32) {
-        _tile_loadd(0, w.p.data() + k0, kpad * 2);
-        for (int c = 0; c < D / 16; ++c) {
-          _tile_loadd(1, w.vv.data() + (k0 / 2) * D * 2 + c * 32, D * 4);
-          switch (c) {
-            case 0: _tile_dpbf16ps(4, 0, 1); break;
-            case 1: _tile_dpbf16ps(5, 0, 1); break;
-            case 2: _tile_dpbf16ps(6, 0, 1); break;
-            default: _tile_dpbf16ps(7, 0, 1); break;
-          }
+      // O = P V in 64-dim passes: tile 0 = 32 keys of P, tile 1 = their V pairs for 16 dims,
+      // tiles 4..7 = O for the pass's 4 x 16 dims.
+      for (int dh = 0; dh < D; dh += 64) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t k0 = 0; k0 < nk32; k0 += 32) {
+          _tile_loadd(0, w.p.data() + k0, kpad * 2);
+          const uint16_t* vk = w.vv.data() + (k0 / 2) * D * 2 + dh * 2;
+          _tile_loadd(1, vk, D * 4);
+          _tile_dpbf16ps(4, 0, 1);
+          _tile_loadd(1, vk + 32, D * 4);
+          _tile_dpbf16ps(5, 0, 1);
+          _tile_loadd(1, vk + 64, D * 4);
+          _tile_dpbf16ps(6, 0, 1);
+          _tile_loadd(1, vk + 96, D * 4);
+          _tile_dpbf16ps(7, 0, 1);
         }
-      }
-      for (int c = 0; c < D / 16; ++c) {
-        switch (c) {
-          case 0: _tile_stored(4, w.o + 0, D * 4); break;
-          case 1: _tile_stored(5, w.o + 16, D * 4); break;
-          case 2: _tile_stored(6, w.o + 32, D * 4); break;
-          default: _tile_stored(7, w.o + 48, D * 4); break;
-        }
+        _tile_stored(4, w.o + dh, D * 4);
+        _tile_stored(5, w.o + dh + 16, D * 4);
+        _tile_stored(6, w.o + dh + 32, D * 4);
+        _tile_stored(7, w.o + dh + 48, D * 4);
       }
       for (int64_t r = 0; r < rows; ++r) {
         uint16_t* o = out + ((q0row + r0 + r) * num_heads + head) * D;
@@ -193,7 +204,7 @@ bool amx_permitted() {
 
 bool prefill_attention_available(int64_t head_dim, int64_t block_size, int64_t group) {
 #if PAGEDLLM_AMX
-  return head_dim == 64 && block_size % 16 == 0 && group >= 1 && amx_permitted();
+  return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && group >= 1 && amx_permitted();
 #else
   (void)head_dim, (void)block_size, (void)group;
   return false;
@@ -241,8 +252,14 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
       for (int64_t it = bounds[tid]; it < bounds[tid + 1]; ++it) {
         const int64_t i = it / hkv, h = it % hkv;
         if (qlp[i] == 0) continue;
-        attend_prefill<64>(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, btp + i * max_blocks, h, G,
-                           num_heads, qsp[i], qlp[i], clp[i], static_cast<float>(scale), w);
+        const int64_t* table = btp + i * max_blocks;
+        const float sc = static_cast<float>(scale);
+        if (D == 64)
+          attend_prefill<64>(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, table, h, G, num_heads, qsp[i],
+                             qlp[i], clp[i], sc, w);
+        else
+          attend_prefill<128>(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, table, h, G, num_heads, qsp[i],
+                              qlp[i], clp[i], sc, w);
       }
     _tile_release();
   });
