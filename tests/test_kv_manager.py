@@ -46,6 +46,24 @@ def _admit_and_prefill(kv: PagedKVCacheManager, req: Request, sampled: int = 0) 
     return cached
 
 
+def test_sequences_growing_side_by_side_keep_contiguous_blocks():
+    """Placement: each request starts where there is room for prompt + max_tokens, and grows into
+    the blocks right after its last one, even when requests decode in lockstep."""
+    kv = PagedKVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    reqs = [make_request(str(i), [1] * 6, max_tokens=20) for i in range(3)]  # room: 26 tokens = 7 blocks
+    for r in reqs:
+        _admit_and_prefill(kv, r)
+    for _ in range(19):  # decode steps, all three interleaved
+        for r in reqs:
+            assert kv.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+            r.append_output_token(1)
+    for i, r in enumerate(reqs):
+        table = kv.block_table(r.request_id)
+        assert table == list(range(7 * i, 7 * i + len(table))), table
+    kv.check_invariants()
+
+
 def test_prefix_cache_shares_full_blocks_but_not_the_last_token():
     kv = PagedKVCacheManager(num_blocks=8, block_size=16)
     prompt = list(range(40))
