@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Session 4: throughput only, strictly alternating vLLM and pagedllm runs (one timed run each per
+# round) under one lock, so that this VM's drift (vLLM moved 791 -> 672 tok/s between two
+# consecutive runs of run.sh) lands on both systems alike.   ./interleave.sh [ROUNDS=3]
+set -u
+R=$(cd "$(dirname "$0")" && pwd)
+source "$R/../anchors_env.sh"
+cd "$REPO_DIR"
+for i in $(seq "${1:-3}"); do
+  echo "== round $i vllm $(date)"
+  LD_PRELOAD=$PRE flock $LOCK $VLLM_PY $A/bench_vllm.py --model $M --workload $W --bind 0-1 --label "interleaved run$i" --results $R/interleaved-anchors.jsonl > $R/interleaved-vllm-run$i.log 2>&1
+  grep RESULT $R/interleaved-vllm-run$i.log | tail -1 | grep -o '"output_tok_s": [0-9.]*'
+  echo "== round $i pagedllm $(date)"
+  flock $LOCK pagedllm bench throughput --model $M --workload $W --repeats 1 --out-dir $R --label "pagedllm interleaved run$i" 2>&1 | grep -E "^\| pagedllm"
+done
+echo "== done $(date)"
