@@ -115,12 +115,11 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not random_rows:
-            # max().indices is argmax (first maximum on ties) but ~3x faster on the CPU
-            return logits.max(dim=-1).indices
+            return self._greedy(logits)
         if len(random_rows) == len(requests):
             out, sub = None, logits
         else:
-            out = logits.max(dim=-1).indices
+            out = self._greedy(logits)
             rows = torch.tensor(random_rows, dtype=torch.long)
             sub = logits[rows]
         params = [requests[i].sampling_params for i in random_rows]

@@ -144,7 +144,7 @@ PREFILL_CASES = [  # block_size, heads, kv_heads, head_dim (the kernel's: 64 or 
 
 @needs_kernel
 @pytest.mark.skipif(
-    kernels is None or not kernels.prefill_attention_available(64, 16, 3), reason="no AMX prefill kernel here"
+    kernels is None or not kernels.prefill_attention_available(64, 16), reason="no AMX prefill kernel here"
 )
 @pytest.mark.parametrize("block_size,h,hkv,d", PREFILL_CASES)
 def test_prefill_kernel_equals_reference(block_size, h, hkv, d):
@@ -170,5 +170,5 @@ def test_prefill_kernel_equals_reference(block_size, h, hkv, d):
 
 @needs_kernel
 def test_prefill_kernel_availability():
-    assert not kernels.prefill_attention_available(32, 16, 2)  # head_dim 64 or 128 only
-    assert not kernels.prefill_attention_available(64, 8, 2)  # blocks of whole 16-row tiles only
+    assert not kernels.prefill_attention_available(32, 16)  # head_dim 64 or 128 only
+    assert not kernels.prefill_attention_available(64, 8)  # blocks of whole 16-row tiles only

@@ -130,7 +130,7 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engi
             **engine_args,
         )
         assert (llm.llm_engine.model.kernels is not None) == (backend == "auto")
-        if backend == "auto" and family == "mistral" and kernels.prefill_attention_available(64, 16, 2):
+        if backend == "auto" and family == "mistral" and kernels.prefill_attention_available(64, 16):
             assert llm.llm_engine.runner.prefill_kernel is not None
         outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     compared = 0

@@ -9,7 +9,7 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);
-bool prefill_attention_available(int64_t head_dim, int64_t block_size, int64_t group);
+bool prefill_attention_available(int64_t head_dim, int64_t block_size);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
                              torch::Tensor context_lens, double scale);
@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal prefill attention (CPU, AMX) of all prefill chunks of a step, K/V read through the block tables");
   m.def("prefill_attention_available", &prefill_attention_available,
-        "whether paged_prefill_attention runs here for this head_dim / block_size / GQA group");
+        "whether paged_prefill_attention runs here for this head_dim and block_size");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each row of bfloat16 logits");
   m.def("small_gemm", &small_gemm, "x @ W^T (+ bias) for a few rows of x (AVX512-BF16)");
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX512-BF16)");

@@ -51,8 +51,9 @@ inline float softmax_unnormalized(float* s, int64_t len) {
 }
 
 struct Geometry {
-  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, tok_stride, head_stride, blk_stride,
-      q_stride;
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, head_stride, blk_stride, q_stride;
+  // Offset of KV head h's block_size x head_dim run (rows contiguous) in physical block `block`.
+  int64_t head_block(int64_t block, int64_t h) const { return block * blk_stride + h * head_stride; }
 };
 
 // Portable path (any dtype, any head_dim): rows widened to float, compiler-vectorized loops.
@@ -67,7 +68,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
     for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_f(qp[s * g.q_stride + (h * G + j) * D + d]) * scale;
   scores.resize(G * len);
   for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* kt = kp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * g.head_stride;
+    const scalar_t* kt = kp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(kt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = qf.data() + j * D;
@@ -81,7 +82,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
   for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalized(scores.data() + j * len, len);
   acc.assign(G * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* vt = vp + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride + h * g.head_stride;
+    const scalar_t* vt = vp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(vt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
       const float p = scores[j * len + t];
@@ -98,10 +99,10 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
 #if PAGEDLLM_AVX512BF16
 // Blocks are scattered in memory (that is the point of paging), so the hardware prefetcher
 // cannot run ahead across them: ask for the rows of this head two blocks ahead (into L2: the
-// L1 has too few line-fill buffers to keep enough misses in flight; measured 1.3x).
-inline void prefetch_head_rows(const uint16_t* p, int64_t rows, int64_t stride, int64_t D) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t off = 0; off < D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i * stride + off), _MM_HINT_T1);
+// L1 has too few line-fill buffers to keep enough misses in flight; measured 1.3x). The rows of
+// one head in a block are contiguous (head-major cache).
+inline void prefetch_head_rows(const uint16_t* p, int64_t rows, int64_t D) {
+  for (int64_t off = 0; off < rows * D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 }
 
 // bf16, head_dim D in {32, 64, 128, 256}: q.k with vdpbf16ps straight from the cache (products of
@@ -118,16 +119,16 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
   const int64_t nblk = (len + bs - 1) / bs;
   for (int64_t b = 0; b < nblk; ++b) {
-    const uint16_t* kb = kp + table[b] * g.blk_stride + h * g.head_stride;
+    const uint16_t* kb = kp + g.head_block(table[b], h);
     const int64_t n = std::min(bs, len - b * bs);
-    if (b == 0 && nblk > 1) prefetch_head_rows(kp + table[1] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
-    if (b + 2 < nblk) prefetch_head_rows(kp + table[b + 2] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
+    if (b == 0 && nblk > 1) prefetch_head_rows(kp + g.head_block(table[1], h), bs, D);
+    if (b + 2 < nblk) prefetch_head_rows(kp + g.head_block(table[b + 2], h), bs, D);
     for (int64_t j = 0; j < G; ++j) {
       __m512bh qv[C];
       for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
       float* sj = S + j * len + b * bs;
       for (int64_t i = 0; i < n; ++i) {
-        const uint16_t* kt = kb + i * g.tok_stride;
+        const uint16_t* kt = kb + i * D;
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kt));
         for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
         sj[i] = _mm512_reduce_add_ps(a) * scale;
@@ -141,15 +142,15 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   vbuf.resize(bs * D);
   float* VF = vbuf.data();
   for (int64_t b = 0; b < nblk; ++b) {
-    const uint16_t* vb = vp + table[b] * g.blk_stride + h * g.head_stride;
+    const uint16_t* vb = vp + g.head_block(table[b], h);
     const int64_t n = std::min(bs, len - b * bs);
-    if (b == 0 && nblk > 1) prefetch_head_rows(vp + table[1] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
-    if (b + 2 < nblk) prefetch_head_rows(vp + table[b + 2] * g.blk_stride + h * g.head_stride, bs, g.tok_stride, D);
+    if (b == 0 && nblk > 1) prefetch_head_rows(vp + g.head_block(table[1], h), bs, D);
+    if (b + 2 < nblk) prefetch_head_rows(vp + g.head_block(table[b + 2], h), bs, D);
     // The thread's next item starts on a cold block otherwise (+2%, with the cache on huge pages;
     // with 4 KiB pages this prefetch's page walk made it slower).
-    else if (b + 2 == nblk && next_k != nullptr) prefetch_head_rows(next_k, bs, g.tok_stride, D);
+    else if (b + 2 == nblk && next_k != nullptr) prefetch_head_rows(next_k, bs, D);
     for (int64_t i = 0; i < n; ++i)
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(VF + i * D + c * 16, bf16x16_to_float(vb + i * g.tok_stride + c * 16));
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(VF + i * D + c * 16, bf16x16_to_float(vb + i * D + c * 16));
     for (int64_t j = 0; j < G; ++j) {
       __m512 a[V];
       for (int c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(A + j * D + c * 16);
@@ -180,7 +181,6 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
   g.block_size = k_cache.size(2);
   g.group = g.num_heads / g.num_kv_heads;
   g.max_blocks = block_tables.size(1);
-  g.tok_stride = g.head_dim;
   g.head_stride = g.block_size * g.head_dim;
   g.blk_stride = g.num_kv_heads * g.head_stride;
   g.q_stride = q.stride(0);
@@ -217,7 +217,7 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
           const uint16_t* next_k = nullptr;
           if (item + 1 < bounds[tid + 1]) {
             const int64_t ns = (item + 1) / g.num_kv_heads, nh = (item + 1) % g.num_kv_heads;
-            next_k = k16 + bt[ns * g.max_blocks] * g.blk_stride + nh * g.head_stride;
+            next_k = k16 + g.head_block(bt[ns * g.max_blocks], nh);
           }
           switch (g.head_dim) {
             case 32: attend_bf16<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;

@@ -202,11 +202,11 @@ bool amx_permitted() {
 }  // namespace
 #endif
 
-bool prefill_attention_available(int64_t head_dim, int64_t block_size, int64_t group) {
+bool prefill_attention_available(int64_t head_dim, int64_t block_size) {
 #if PAGEDLLM_AMX
-  return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && group >= 1 && amx_permitted();
+  return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && amx_permitted();
 #else
-  (void)head_dim, (void)block_size, (void)group;
+  (void)head_dim, (void)block_size;
   return false;
 #endif
 }
@@ -222,7 +222,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
               "paged_prefill_attention: bad layout");
   const int64_t num_heads = q.size(1), D = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(num_heads % hkv == 0 && k_cache.size(3) == D, "paged_prefill_attention: head geometry");
-  TORCH_CHECK(prefill_attention_available(D, bs, num_heads / hkv), "paged_prefill_attention: not available here");
+  TORCH_CHECK(prefill_attention_available(D, bs), "paged_prefill_attention: not available here");
 #if PAGEDLLM_AMX
   auto bt = block_tables.contiguous();
   auto qs = query_starts.contiguous(), ql = query_lens.contiguous(), cl = context_lens.contiguous();

@@ -39,9 +39,7 @@ class ModelRunner:
         self.decode_kernel = cpu_kernels.paged_decode_attention if cpu_kernels is not None else None
         self.prefill_kernel = None
         if cpu_kernels is not None and kv_caches and kv_caches[0][0].dtype == torch.bfloat16:
-            attn = model.layers[0].self_attn
-            group = attn.num_heads // attn.num_kv_heads
-            if cpu_kernels.prefill_attention_available(attn.head_dim, block_size, group):
+            if cpu_kernels.prefill_attention_available(model.head_dim, block_size):
                 self.prefill_kernel = cpu_kernels.paged_prefill_attention
 
     @torch.inference_mode()
@@ -109,7 +107,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             num_blocks = -(-end // bs)
             mask = None
-            if start > 0:
+            if start > 0 and self.prefill_kernel is None:  # the kernel masks by positions itself
                 # Query i (position start + i) sees keys 0..start + i.
                 q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
                 mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
