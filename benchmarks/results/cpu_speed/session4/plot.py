@@ -1,0 +1,55 @@
+"""Session 4's side by side as bar charts (speed.png): offline throughput and batch-size-1 latency."""
+
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+here = Path(__file__).parent
+
+
+def rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (here / name).open()]
+
+
+ours, anchors, alternating = rows("results.jsonl"), rows("anchors.jsonl"), rows("interleaved-anchors.jsonl")
+paged = next(r for r in ours if r["label"] == "pagedllm (median of 3)")
+paged_alt = [r for r in ours if r["label"].startswith("pagedllm interleaved")]
+paged_bs1 = next(r for r in ours if r["bench"] == "latency")
+vllm = [r["output_tok_s"] for r in anchors if r["label"].startswith("bind0-1+preload run")]
+vllm_bs1 = [r["ms_per_output_token"] for r in anchors if r["label"].startswith("bs1-bind0-1+preload")]
+hf8 = next(r for r in anchors if r["label"] == "hf bs8")
+
+fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+names = [
+    "pagedllm\nrun.sh",
+    "vLLM CPU\nrun.sh",
+    "pagedllm\nalternating",
+    "vLLM CPU\nalternating",
+    "HF generate\nbatch 8",
+]
+vals = [
+    paged["output_tok_s"],
+    statistics.median(vllm),
+    statistics.median(r["output_tok_s"] for r in paged_alt),
+    statistics.median(r["output_tok_s"] for r in alternating),
+    hf8["output_tok_s"],
+]
+a.bar(names, vals, color=["tab:blue", "tab:gray", "tab:blue", "tab:gray", "tab:orange"])
+for i, v in enumerate(vals):
+    a.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+a.set_ylabel("output tok/s (median of 3)")
+a.set_title("200 ShareGPT requests, SmolLM2-135M bf16, 2 cores")
+b.bar(
+    ["pagedllm", "vLLM CPU\nmax_num_seqs=1"],
+    [paged_bs1["ms_per_output_token"], statistics.median(vllm_bs1)],
+    color=["tab:blue", "tab:gray"],
+)
+b.set_ylabel("ms per output token (lower is better)")
+b.set_title("batch size 1, first 10 requests")
+fig.tight_layout()
+fig.savefig(here / "speed.png", dpi=100)
