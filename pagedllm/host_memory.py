@@ -121,3 +121,30 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     except (OSError, AttributeError) as e:
         logger.debug("madvise unavailable: %s", e)
         return False
+
+
+def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Copies CPU tensors into one new buffer backed by transparent huge pages; returns the copies
+    (views of that buffer, 64-byte aligned, same shapes and dtypes), or None where huge pages
+    cannot be had (see advise_huge_pages) or a tensor is not a CPU tensor.
+
+    For weights streamed once per decode step: see pagedllm.models.cpu_linear."""
+    import torch  # here, not at module level: see the import note at the top
+
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += (t.numel() * t.element_size() + 63) // 64 * 64
+    arena = torch.empty(total + 2 * _HUGE_PAGE, dtype=torch.uint8)
+    if not advise_huge_pages(arena):
+        return None
+    base = (-arena.data_ptr()) % _HUGE_PAGE  # first huge page boundary inside the buffer
+    copies = []
+    for t, off in zip(tensors, offsets, strict=True):
+        nbytes = t.numel() * t.element_size()
+        view = arena[base + off : base + off + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        copies.append(view)
+    return copies

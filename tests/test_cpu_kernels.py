@@ -175,3 +175,56 @@ def test_greedy_sampler_uses_the_kernel_and_agrees():
     fast = Sampler(argmax_rows=counting)(logits, reqs).token_ids
     assert calls == [logits.shape]
     assert fast == Sampler()(logits, reqs).token_ids == logits.float().argmax(-1).tolist()
+
+
+amx = pytest.mark.skipif(kernels is None or not kernels.amx_gemm_available(), reason="no AMX here")
+
+
+@amx
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 33, 200, 300])  # partial row tiles, > one 256-row chunk
+@pytest.mark.parametrize("n,k,bias", [(64, 32, False), (96, 160, True), (1024, 96, False)])
+def test_amx_gemm_matches_linear(m, n, k, bias):
+    from pagedllm.models.cpu_linear import tile_order
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
+    b = torch.randn(n, generator=g).to(BF16) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    out = kernels.amx_gemm(x, tile_order(w), b, "none")
+    assert out.shape == (m, n) and out.dtype == BF16
+    torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=8e-3)
+    # rows are independent: the same row gives the same bits whatever else is in the batch
+    assert torch.equal(kernels.amx_gemm(x[-1:].contiguous(), tile_order(w), b, "none")[0], out[-1])
+
+
+@amx
+@pytest.mark.parametrize("m", [3, 40])
+def test_amx_gemm_silu_mul_epilogue_equals_the_unfused_kernels(m):
+    from pagedllm.models.cpu_linear import interleave_gate_up, tile_order
+
+    g = torch.Generator().manual_seed(m)
+    inter, k = 64, 96
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.2).to(BF16)  # [gate; up]
+    unfused = kernels.silu_and_mul(kernels.amx_gemm(x, tile_order(w), None, "none"))
+    fused = kernels.amx_gemm(x, tile_order(interleave_gate_up(w)), None, "silu_mul")
+    assert fused.shape == (m, inter) and torch.equal(fused, unfused)
+
+
+@amx
+@pytest.mark.parametrize("m", [2, 9])  # small_gemm rows and AMX rows
+def test_packed_gate_up_layer_keeps_plain_output_order(m):
+    from pagedllm.models.cpu_linear import PackedLinear
+
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(64, 128, bias=False).to(BF16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 64, generator=g) * 0.1)
+    layer = PackedLinear(lin, kernels, fuse_silu_mul=True)
+    assert layer.fused_silu_mul
+    x = torch.randn(m, 64, generator=g).to(BF16)
+    ref = F.linear(x.float(), lin.weight.float())
+    torch.testing.assert_close(layer(x).float(), ref, rtol=8e-3, atol=8e-3)
+    gate, up = ref.split(64, dim=-1)
+    torch.testing.assert_close(layer.silu_and_mul(x).float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)

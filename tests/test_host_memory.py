@@ -112,3 +112,20 @@ def test_huge_pages_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv("PAGEDLLM_NO_HUGE_PAGES", "1")
     assert not host_memory.advise_huge_pages(torch.empty(4 << 20, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux only")
+def test_copy_to_huge_pages_keeps_values_shapes_and_alignment(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("PAGEDLLM_NO_HUGE_PAGES", raising=False)
+    src = [torch.randn(3, 5).bfloat16(), torch.arange(7, dtype=torch.int64), torch.randn(1000, 33)]
+    copies = host_memory.copy_to_huge_pages(src)
+    assert copies is not None
+    for a, b in zip(src, copies, strict=True):
+        assert b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
+        assert b.data_ptr() % 64 == 0 and b.data_ptr() != a.data_ptr()
+    # one buffer: the copies follow each other in order
+    assert copies[0].data_ptr() < copies[1].data_ptr() < copies[2].data_ptr()
+    monkeypatch.setenv("PAGEDLLM_NO_HUGE_PAGES", "1")
+    assert host_memory.copy_to_huge_pages(src) is None

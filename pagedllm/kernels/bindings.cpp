@@ -15,6 +15,9 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
                              torch::Tensor context_lens, double scale);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 bool small_gemm_available();
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                       const std::string& epilogue);
+bool amx_gemm_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -29,5 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_prefill_attention runs here for this head_dim and block_size");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each row of bfloat16 logits");
   m.def("small_gemm", &small_gemm, "x @ W^T (+ bias) for a few rows of x (AVX512-BF16)");
+  m.def("amx_gemm", &amx_gemm, "x @ W^T (+ bias, or silu(gate) * up) with W packed in AMX B-tile order");
+  m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm runs here (AMX built and permitted)");
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX512-BF16)");
 }

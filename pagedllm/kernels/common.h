@@ -20,6 +20,43 @@
 #define PAGEDLLM_AMX 0
 #endif
 
+#if PAGEDLLM_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// AMX tile set-up shared by the tile kernels (prefill attention, GEMM).
+constexpr int kTileRows = 16;  // rows of every tile; K dimension 32 bf16 (64 bytes)
+
+struct TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// All eight tiles 16 rows x 64 bytes: A (16 x 32 bf16), B (16 pair-rows x 16 x 2 bf16), C (16 x 16 float).
+// A static object: gcc sank the stores of a stack copy below ldtilecfg (#GP on a garbage config).
+inline const TileConfig kTiles = [] {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTileRows;
+  }
+  return cfg;
+}();
+
+// Per thread, before the first tile instruction; _tile_release() after the last.
+inline void configure_tiles() { _tile_loadconfig(&kTiles); }
+
+// Linux hands out the tile register state only on request, once per process.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+#endif
+
 inline float bf16_bits_to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
 // float -> bfloat16 bits, round to nearest even (no NaNs reach these kernels).
 inline uint16_t float_to_bf16_bits(float f) {
@@ -27,6 +64,7 @@ inline uint16_t float_to_bf16_bits(float f) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
 
 #if PAGEDLLM_AVX512BF16
 inline __m512 bf16x16_to_float(const uint16_t* p) {

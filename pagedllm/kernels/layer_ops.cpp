@@ -12,8 +12,6 @@
 
 namespace {
 
-inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
-
 // Rows are independent; a grain of ~16K elements keeps single-token steps on one thread
 // (a fork-join costs more than the work there).
 inline int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }

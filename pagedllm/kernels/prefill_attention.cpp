@@ -21,33 +21,10 @@
 #include <vector>
 
 #if PAGEDLLM_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
-#if PAGEDLLM_AMX
 namespace {
 
-constexpr int TILE = 16;  // rows of every tile; K dimension 32 bf16 (64 bytes)
+constexpr int TILE = kTileRows;
 
-struct TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// All eight tiles 16 rows x 64 bytes: A (16 x 32 bf16), B (16 pair-rows x 16 x 2 bf16), C (16 x 16 float).
-// A static object: gcc sank the stores of a stack copy below ldtilecfg (#GP on a garbage config).
-const TileConfig kTiles = [] {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = TILE;
-  }
-  return cfg;
-}();
-
-void configure_tiles() { _tile_loadconfig(&kTiles); }
 
 struct Work {
   std::vector<uint32_t> kt;   // K^T as bf16 pairs: [D/2][keys_pad]
@@ -191,13 +168,6 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
   }
 }
 
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
 
 }  // namespace
 #endif

@@ -1,10 +1,19 @@
-"""Linear layers with weights pre-packed for oneDNN (CPU, bfloat16).
+"""Linear layers with weights laid out once, at load time, for the CPU kernel that runs them (bf16).
 
-A plain bf16 ``F.linear`` on the CPU lets oneDNN reorder the weight into its blocked (AMX /
-AVX512-BF16) layout on every call: for a 135M model that is a full extra pass over the weights
-each step, which dominates small-batch decoding. Packing once at load time removes it; this is
-what torch's own inductor does for frozen CPU models. Where the packed ops are missing or give a
-different result, the layer stays a plain nn.Linear.
+A plain bf16 ``F.linear`` on the CPU lets oneDNN reorder the weight into its blocked layout on
+every call: for a 135M model that is a full extra pass over the weights each step. So each layer
+keeps its weight in the order its kernel reads it:
+
+- with the compiled kernels on a CPU with AMX: AMX B-tile order (``tile_weight``), run by
+  ``amx_gemm`` from 7 rows up, and the plain row-major weight for ``small_gemm`` at up to 6 rows
+  (decode steps of a few sequences). Both sit on transparent huge pages (``place_on_huge_pages``):
+  a decode step streams every weight once, and with 4 KiB pages the stream stalls on TLB misses
+  (200-request workload's GEMMs at 16 rows: 20 -> 12 ms per step, small_gemm at 1 row 23 -> 10 ms);
+- otherwise oneDNN's blocked layout (``packed_weight``), what torch's inductor does for frozen CPU
+  models. Where the packed ops are missing or disagree, the layer stays a plain nn.Linear.
+
+The fused gate/up projection of the MLP can also apply SiLU-and-multiply in the GEMM's epilogue
+(``silu_and_mul``): its tile weight interleaves gate and up strips so each output block holds both.
 """
 
 from __future__ import annotations
@@ -14,31 +23,90 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm.host_memory import copy_to_huge_pages
+
 logger = logging.getLogger(__name__)
 
 
-# Up to this many rows, the streaming small-M kernel (pagedllm/kernels/small_gemm.cpp) beats
-# oneDNN's blocked GEMM on the packed weight (measured: `python -m pagedllm.bench.kernels`).
+# Up to this many rows the streaming small-M kernel (small_gemm.cpp) is at least as fast as the
+# AMX tiles (weights on huge pages, 120 GEMMs of SmolLM2-135M: 10.0 vs 13.8 ms at 1 row, 14.5 vs
+# 14.0 at 6, 16.9 vs 13.9 at 8).
 SMALL_GEMM_MAX_ROWS = 6
+_AMX_STRIP, _AMX_K = 16, 32  # output columns per B tile, K per tile product
+
+
+def tile_order(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [N/16, K/32, 16, 32]: each 16-column strip of W^T as consecutive AMX B tiles
+    (16 rows of K pairs x 16 columns x 2), the layout ``amx_gemm`` streams."""
+    n, k = w.shape
+    return (
+        w.view(n // _AMX_STRIP, _AMX_STRIP, k // _AMX_K, _AMX_K // 2, 2)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(n // _AMX_STRIP, k // _AMX_K, _AMX_STRIP, _AMX_K)
+    )
+
+
+def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows ([2I, K]) -> strips gate 0, up 0, gate 1, up 1, ... (16 rows each)."""
+    two_i, k = w.shape
+    gate, up = w.view(2, two_i // 2 // _AMX_STRIP, _AMX_STRIP, k)
+    return torch.stack((gate, up), dim=1).reshape(two_i, k)
 
 
 class PackedLinear(nn.Module):
-    """``small_gemm``: the compiled small-M kernel, or None to always use oneDNN."""
+    """``kernels``: the compiled CPU kernels, or None for oneDNN only. ``fuse_silu_mul``: this is
+    a fused [gate; up] projection whose ``silu_and_mul`` method the MLP calls."""
 
-    def __init__(self, linear: nn.Linear, small_gemm=None) -> None:
+    def __init__(self, linear: nn.Linear, kernels=None, fuse_silu_mul: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.kernels = kernels
+        n, k = w.shape
+        self.use_amx = (
+            kernels is not None
+            and kernels.amx_gemm_available()
+            and n % (2 * _AMX_STRIP) == 0
+            and k % _AMX_K == 0
+            and not (fuse_silu_mul and (n % (4 * _AMX_STRIP) or self.bias is not None))
+        )
+        self.fused_silu_mul = fuse_silu_mul and self.use_amx
+        self.small_gemm = kernels.small_gemm if kernels is not None and kernels.small_gemm_available() else None
+        if k % 32:
+            self.small_gemm = None
+        if self.use_amx:
+            self.register_buffer(
+                "tile_weight", tile_order(interleave_gate_up(w) if self.fused_silu_mul else w), persistent=False
+            )
+        else:
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w), persistent=False)
         # The small-M kernel streams the plain row-major weight, so that stays too (2x weight memory).
-        self.small_gemm = small_gemm if small_gemm is not None and self.in_features % 32 == 0 else None
         self.weight = w if self.small_gemm is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_gemm is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
+        if self.use_amx and not self.fused_silu_mul:
+            return self.kernels.amx_gemm(
+                x.reshape(-1, self.in_features).contiguous(), self.tile_weight, self.bias, "none"
+            ).view(*x.shape[:-1], self.out_features)
+        if self.use_amx:  # interleaved [gate 0, up 0, gate 1, ...] strips: put the columns back in order
+            t = x.reshape(-1, self.in_features).contiguous()
+            y = self.kernels.amx_gemm(t, self.tile_weight, None, "none").view(t.shape[0], -1, 2, _AMX_STRIP)
+            return y.transpose(1, 2).reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this fused [gate; up] projection of x [T, K] -> [T, I]."""
+        if self.fused_silu_mul and not (self.small_gemm is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS):
+            return self.kernels.amx_gemm(x.contiguous(), self.tile_weight, None, "silu_mul")
+        return self.kernels.silu_and_mul(self.forward(x))
+
+    def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(attribute, tensor) of every weight copy a step streams."""
+        names = ("tile_weight", "weight") if self.use_amx else ("weight",)
+        return [(n, getattr(self, n)) for n in names if getattr(self, n, None) is not None]
 
 
 def _packing_works() -> bool:
@@ -54,11 +122,12 @@ def _packing_works() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, small_gemm=None) -> int:
-    """Replaces the bf16 nn.Linear layers of a CPU model by PackedLinear; returns how many."""
+def pack_linears(model: nn.Module, kernels=None, fuse_silu_mul_names: tuple[str, ...] = ()) -> list[PackedLinear]:
+    """Replaces the bf16 nn.Linear layers of a CPU model by PackedLinear; returns them.
+    Children named in ``fuse_silu_mul_names`` are fused [gate; up] projections."""
     if not torch.backends.mkldnn.is_available() or not _packing_works():
-        return 0
-    n = 0
+        return []
+    packed = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (
@@ -66,6 +135,21 @@ def pack_linears(model: nn.Module, small_gemm=None) -> int:
                 and child.weight.dtype == torch.bfloat16
                 and child.weight.device.type == "cpu"
             ):
-                setattr(parent, name, PackedLinear(child, small_gemm))
-                n += 1
-    return n
+                layer = PackedLinear(child, kernels, fuse_silu_mul=name in fuse_silu_mul_names)
+                setattr(parent, name, layer)
+                packed.append(layer)
+    return packed
+
+
+def place_on_huge_pages(layers: list[PackedLinear]) -> bool:
+    """Moves the layers' streamed weight copies into one huge-page buffer; False if not possible."""
+    slots = [(layer, name, t) for layer in layers for name, t in layer.weight_buffers()]
+    moved = copy_to_huge_pages([t for _, _, t in slots])
+    if moved is None:
+        return False
+    for (layer, name, _), t in zip(slots, moved, strict=True):
+        if name in layer._buffers:
+            layer._buffers[name] = t
+        else:
+            setattr(layer, name, t)
+    return True

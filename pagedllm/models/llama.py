@@ -132,12 +132,19 @@ class _FusedLayer(NamedTuple):
 
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o_proj: Callable[[torch.Tensor], torch.Tensor]
-    gate_up_proj: Callable[[torch.Tensor], torch.Tensor]
+    gate_up_silu_mul: Callable[[torch.Tensor], torch.Tensor]  # h -> silu(gate) * up
     down_proj: Callable[[torch.Tensor], torch.Tensor]
     post_norm_w: torch.Tensor
     post_norm_eps: float
     next_norm_w: torch.Tensor  # the next layer's input norm, or the final norm after the last layer
     next_norm_eps: float
+
+
+def _gate_up_silu_mul(gate_up_proj: nn.Module, kernels) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's silu(gate) * up: in the GEMM's epilogue where the layer fuses it, else a kernel after."""
+    if getattr(gate_up_proj, "fused_silu_mul", False):
+        return gate_up_proj.silu_and_mul
+    return lambda h: kernels.silu_and_mul(gate_up_proj(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             _FusedLayer(
                 layer.self_attn.qkv_proj.forward,
                 layer.self_attn.o_proj.forward,
-                layer.mlp.gate_up_proj.forward,
+                _gate_up_silu_mul(layer.mlp.gate_up_proj, kernels),
                 layer.mlp.down_proj.forward,
                 post.weight,
                 post.eps,
@@ -217,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
             v = qkv[:, qs + kvs :].view(t, nkv, d)
             o = attend(q, k, v, k_cache, v_cache, meta, scale)
             h = kernels.add_rms_norm(lyr.o_proj(o.view(t, qs)), residual, lyr.post_norm_w, lyr.post_norm_eps)
-            m = lyr.down_proj(kernels.silu_and_mul(lyr.gate_up_proj(h)))
+            m = lyr.down_proj(lyr.gate_up_silu_mul(h))
             h = kernels.add_rms_norm(m, residual, lyr.next_norm_w, lyr.next_norm_eps)
         return h
 
@@ -228,19 +235,22 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w)
 
-    def pack_for_cpu(self, small_gemm=None) -> int:
-        """Pre-packs bf16 matmul weights for oneDNN (see cpu_linear); returns the layers packed.
-        ``small_gemm``: the compiled kernel for decode steps of a few rows, or None."""
-        from pagedllm.models.cpu_linear import PackedLinear, pack_linears
+    def pack_for_cpu(self, kernels=None) -> int:
+        """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers
+        packed. ``kernels``: the compiled CPU kernels (AMX / small-M GEMMs), or None for oneDNN."""
+        from pagedllm.models.cpu_linear import PackedLinear, pack_linears, place_on_huge_pages
 
-        n = pack_linears(self.layers, small_gemm)
-        if n:
+        packed = pack_linears(self.layers, kernels, fuse_silu_mul_names=("gate_up_proj",))
+        if packed:
             w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             head.weight = nn.Parameter(w, requires_grad=False)
-            self.packed_head = PackedLinear(head, small_gemm)
-            n += 1
-        return n
+            self.packed_head = PackedLinear(head, kernels)
+            packed.append(self.packed_head)
+            if place_on_huge_pages(packed) and self.tie_word_embeddings and self.packed_head.weight is not None:
+                # the head's plain copy serves the embedding lookup too: one copy, not two
+                self.embed_tokens.weight = nn.Parameter(self.packed_head.weight, requires_grad=False)
+        return len(packed)
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_weights(self, tensors) -> None:

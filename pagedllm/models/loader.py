@@ -84,8 +84,7 @@ def load_model(
     # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
     model.num_params = sum(p.numel() for p in model.parameters())
     if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
-        small_gemm = cpu_kernels.small_gemm if cpu_kernels is not None and cpu_kernels.small_gemm_available() else None
-        model.pack_for_cpu(small_gemm)
+        model.pack_for_cpu(cpu_kernels)
     if cpu_kernels is not None and hasattr(model, "enable_cpu_kernels"):
         model.enable_cpu_kernels(cpu_kernels)
     logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)

@@ -30,17 +30,30 @@ def timed(f, key):
 linear_forward = PackedLinear.forward
 
 
+linear_silu_and_mul = PackedLinear.silu_and_mul
+
+
+def gemm_key(rows):
+    return "gemm rows<=6" if rows <= 6 else ("gemm rows 7-256" if rows <= 256 else "gemm rows>256")
+
+
 def timed_linear(self, x):
     t = time.perf_counter()
     out = linear_forward(self, x)
-    rows = x.shape[0]
-    T["gemm rows<=6" if rows <= 6 else ("gemm rows 7-256" if rows <= 256 else "gemm rows>256")] += (
-        time.perf_counter() - t
-    )
+    T[gemm_key(x.shape[0])] += time.perf_counter() - t
     return out
 
 
-PackedLinear.forward = timed_linear  # before the engine resolves the layers' bound methods
+def timed_silu_and_mul(self, x):  # gate/up GEMM with SiLU-and-multiply in its epilogue
+    t = time.perf_counter()
+    out = linear_silu_and_mul(self, x)
+    T[gemm_key(x.shape[0])] += time.perf_counter() - t
+    return out
+
+
+# before the engine resolves the layers' bound methods
+PackedLinear.forward = timed_linear
+PackedLinear.silu_and_mul = timed_silu_and_mul
 pa._prefill = timed(pa._prefill, "prefill attention (SDPA)")
 llama.attend = timed(llama.attend, "attention, all")
 

@@ -1,0 +1,170 @@
+// y = x @ W^T (+ bias) with AMX tiles, for every row count from a decode step of a few sequences
+// to a 2048-token prefill chunk.
+//
+// In a decode step the GEMMs stream every weight of the model once. The weight is packed once, at
+// load time, in the order the B operand's tiles are read: W [N, K] -> [N/16][K/32][16 pair-rows]
+// [16 cols][2], so each 16-column strip of W is one contiguous run that a thread streams front to
+// back while prefetching the next strip pair into L2. A step computes a 32-column block (two B
+// tiles) against up to 32 rows (two A tiles) of x into four float C tiles; x is taken in chunks
+// of 256 rows that stay in L2 while the strips pass. Measured on SmolLM2-135M's 120 layer GEMMs
+// (212 MB of weights, caches flushed between passes; weights on huge pages): 16 rows 12.1 ms vs
+// oneDNN's blocked kernel 27.2, 64 rows 19.7 vs 38.3, 256 rows 40.2 vs 63.1, 2048 rows 290 vs 288.
+//
+// Epilogues: "none" rounds C (+ bias) to bf16; "silu_mul" takes a gate/up weight packed with gate
+// and up strips interleaved (strip 2j = gate columns 16j.., strip 2j+1 = the same up columns) and
+// writes silu(gate) * up, rounded as the unfused silu_and_mul kernel rounds its bf16 inputs.
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if PAGEDLLM_AMX
+namespace {
+
+constexpr int64_t kStrip = 16;        // output columns of one B tile
+constexpr int64_t kKChunk = 32;       // K of one tile product
+constexpr int64_t kTileElems = 512;   // bf16 elements of one B tile (16 x 32)
+constexpr int64_t kRowChunk = 256;    // rows of x per pass over the weights (x chunk <= 768 KB)
+
+enum class Epilogue { kNone, kSiluMul };
+
+// One block: row tiles a0 (and a1: 16 rows x K each, row stride K) against strips b0, b1 -> C in cbuf[32][32];
+// meanwhile pf_lines cache lines from `prefetch` on are requested into L2.
+template <int MT>
+inline void block_product(const uint16_t* a0, const uint16_t* a1, int64_t K, const uint16_t* b0, const uint16_t* b1,
+                          const char* prefetch, int64_t pf_lines, float* cbuf) {
+  _tile_zero(4);
+  _tile_zero(5);
+  if constexpr (MT == 2) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  const int64_t kt_n = K / kKChunk;
+  for (int64_t kt = 0; kt < kt_n; ++kt) {
+    // This block's share of the next strip pair, spread over its k-chunks.
+    for (int64_t l = pf_lines * kt / kt_n, le = pf_lines * (kt + 1) / kt_n; l < le; ++l)
+      _mm_prefetch(prefetch + l * 64, _MM_HINT_T1);
+    _tile_loadd(2, b0 + kt * kTileElems, 64);
+    _tile_loadd(3, b1 + kt * kTileElems, 64);
+    _tile_loadd(0, a0 + kt * kKChunk, K * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if constexpr (MT == 2) {
+      _tile_loadd(1, a1 + kt * kKChunk, K * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, cbuf, 32 * 4);
+  _tile_stored(5, cbuf + 16, 32 * 4);
+  if constexpr (MT == 2) {
+    _tile_stored(6, cbuf + 16 * 32, 32 * 4);
+    _tile_stored(7, cbuf + 16 * 32 + 16, 32 * 4);
+  }
+}
+
+inline void store_block(const float* cbuf, int64_t rows, uint16_t* y, int64_t ldy, int64_t col0, const float* bias,
+                        Epilogue epi) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cbuf + r * 32;
+    uint16_t* yr = y + r * ldy;
+    if (epi == Epilogue::kNone) {
+      __m512 lo = _mm512_loadu_ps(c), hi = _mm512_loadu_ps(c + 16);
+      if (bias) {
+        lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias + col0));
+        hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + col0 + 16));
+      }
+      store_float_as_bf16x16(yr + col0, lo);
+      store_float_as_bf16x16(yr + col0 + 16, hi);
+    } else {
+      // Same rounding steps as silu_and_mul on a bf16 gate_up row.
+      for (int i = 0; i < 16; ++i) {
+        const float g = round_bf16(c[i]), u = round_bf16(c[16 + i]);
+        yr[col0 + i] = float_to_bf16_bits(round_bf16(g / (1.f + std::exp(-g))) * u);
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+bool amx_gemm_available() {
+#if PAGEDLLM_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16 contiguous; packed [N/16, K/32, 16, 32] bf16 (W [N, K] in B-tile order);
+// bias: [N] or none (epilogue "none" only). Returns [M, N] ("none") or [M, N/2] ("silu_mul").
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                       const std::string& epilogue) {
+  TORCH_CHECK(amx_gemm_available(), "amx_gemm: AMX not available here");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "amx_gemm: bf16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 32 && packed.size(1) * kKChunk == x.size(1),
+              "amx_gemm: x [M, K] and packed [N/16, K/32, 16, 32], contiguous");
+  TORCH_CHECK(epilogue == "none" || epilogue == "silu_mul", "amx_gemm: epilogue none or silu_mul");
+  const Epilogue epi = epilogue == "none" ? Epilogue::kNone : Epilogue::kSiluMul;
+  const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0), N = strips * kStrip;
+  TORCH_CHECK(strips % 2 == 0, "amx_gemm: N must be a multiple of 32");
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) || epi == Epilogue::kNone, "amx_gemm: bias with silu_mul");
+  const int64_t out_cols = epi == Epilogue::kNone ? N : N / 2;
+  auto y = torch::empty({M, out_cols}, x.options());
+#if PAGEDLLM_AMX
+  if (M == 0) return y;
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "amx_gemm: bias of N values");
+    bias_f = bias->to(torch::kFloat).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  // Tile loads read 16 rows: a partial last row tile is read from a zero-padded copy instead.
+  const int64_t full_tiles = M / 16, tail_rows = M % 16;
+  std::vector<uint16_t> tail(tail_rows ? 16 * K : 0, 0);
+  if (tail_rows) std::memcpy(tail.data(), xp + full_tiles * 16 * K, tail_rows * K * 2);
+  auto row_tile = [&](int64_t t) { return t < full_tiles ? xp + t * 16 * K : tail.data(); };
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t pairs = strips / 2, pair_elems = 2 * (K / kKChunk) * kTileElems;
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
+    configure_tiles();
+    alignas(64) float cbuf[32 * 32];
+    for (int64_t tid = tb; tid < te; ++tid) {
+      const int64_t p_begin = pairs * tid / nthreads, p_end = pairs * (tid + 1) / nthreads;
+      // Rows in chunks whose x stays in L2 while the thread's strips stream past it once per chunk.
+      for (int64_t mc = 0; mc < M; mc += kRowChunk) {
+        const int64_t mc_end = std::min(M, mc + kRowChunk);
+        const int64_t blocks = (mc_end - mc + 31) / 32;
+        for (int64_t p = p_begin; p < p_end; ++p) {
+          const uint16_t* b0 = wp + p * pair_elems;
+          const uint16_t* b1 = b0 + pair_elems / 2;
+          const char* next = reinterpret_cast<const char*>(b0 + pair_elems);
+          // The weights stream from memory: each row block requests its share of the next pair.
+          const int64_t next_lines = p + 1 < p_end ? pair_elems * 2 / 64 : 0;
+          const int64_t col0 = epi == Epilogue::kNone ? p * 32 : p * 16;
+          for (int64_t m0 = mc, j = 0; m0 < mc_end; m0 += 32, ++j) {
+            const int64_t rows = std::min<int64_t>(32, mc_end - m0);
+            const int64_t l0 = next_lines * j / blocks, l1 = next_lines * (j + 1) / blocks;
+            const uint16_t* a0 = row_tile(m0 / 16);
+            if (rows > 16)
+              block_product<2>(a0, row_tile(m0 / 16 + 1), K, b0, b1, next + l0 * 64, l1 - l0, cbuf);
+            else
+              block_product<1>(a0, nullptr, K, b0, b1, next + l0 * 64, l1 - l0, cbuf);
+            store_block(cbuf, rows, yp + m0 * out_cols, out_cols, col0, bp, epi);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}
