@@ -88,6 +88,61 @@ inline void store_block(const float* cbuf, int64_t rows, uint16_t* y, int64_t ld
   }
 }
 
+// Up to kVecRows rows of x (decode steps of a few sequences) tiles would be mostly padding: AVX512-BF16
+// dot products read the same tile-ordered weight instead. Row kp of a B tile holds the k-pair
+// (2kp, 2kp+1) of 16 columns, so one broadcast x pair times that row adds to 16 outputs: no
+// horizontal sums. NS strips per pass (4, or 2 at the end) share each x broadcast; the same rows
+// of the next strip group are requested into L2 as these are read.
+constexpr int64_t kVecRows = 6;
+
+template <int M, int NS>
+inline void vec_strips(const uint16_t* x, int64_t K, const uint16_t* w, int64_t strip_elems, const uint16_t* next,
+                       float* cbuf) {
+  __m512 acc[M][NS];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NS; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int32_t* xpairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t kpairs = K / 2;
+  for (int64_t kq = 0; kq < kpairs; ++kq) {  // B-tile row kq % 16 of k-chunk kq / 16: offset kq * 32
+    __m512bh b[NS];
+    for (int j = 0; j < NS; ++j) {
+      b[j] = (__m512bh)_mm512_loadu_si512(w + j * strip_elems + kq * 32);
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + j * strip_elems + kq * 32), _MM_HINT_T1);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xpairs[m * kpairs + kq]);
+      for (int j = 0; j < NS; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
+    }
+  }
+  // cbuf: per strip pair, [M][32] floats (store_block's layout)
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NS; ++j) _mm512_storeu_ps(cbuf + (j / 2) * M * 32 + m * 32 + (j % 2) * 16, acc[m][j]);
+}
+
+template <int M>
+void vec_gemm(const uint16_t* xp, int64_t K, const uint16_t* wp, int64_t strips, const float* bp, uint16_t* yp,
+              int64_t out_cols, Epilogue epi) {
+  const int64_t strip_elems = (K / kKChunk) * kTileElems, groups = (strips + 3) / 4;
+  // ~64 KB of weights per task: big layers use both cores, tiny ones stay on one.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (4 * strip_elems * 2));
+  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+    alignas(64) float cbuf[2 * M * 32];
+    for (int64_t g = gb; g < ge; ++g) {
+      const int64_t s0 = g * 4, ns = std::min<int64_t>(4, strips - s0);
+      const uint16_t* w = wp + s0 * strip_elems;
+      const uint16_t* next = g + 1 < ge ? w + 4 * strip_elems : nullptr;
+      if (ns == 4)
+        vec_strips<M, 4>(xp, K, w, strip_elems, next, cbuf);
+      else
+        vec_strips<M, 2>(xp, K, w, strip_elems, next, cbuf);
+      for (int64_t pr = 0; pr < ns / 2; ++pr) {
+        const int64_t p = s0 / 2 + pr;
+        store_block(cbuf + pr * M * 32, M, yp, out_cols, epi == Epilogue::kNone ? p * 32 : p * 16, bp, epi);
+      }
+    }
+  });
+}
+
 }  // namespace
 #endif
 
@@ -125,13 +180,23 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
     bp = bias_f.data_ptr<float>();
   }
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  switch (M) {
+    case 1: vec_gemm<1>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 2: vec_gemm<2>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 3: vec_gemm<3>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 4: vec_gemm<4>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 5: vec_gemm<5>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 6: vec_gemm<6>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    default: break;  // tiles
+  }
+  static_assert(kVecRows == 6, "the switch above covers 1..kVecRows rows");
   // Tile loads read 16 rows: a partial last row tile is read from a zero-padded copy instead.
   const int64_t full_tiles = M / 16, tail_rows = M % 16;
   std::vector<uint16_t> tail(tail_rows ? 16 * K : 0, 0);
   if (tail_rows) std::memcpy(tail.data(), xp + full_tiles * 16 * K, tail_rows * K * 2);
   auto row_tile = [&](int64_t t) { return t < full_tiles ? xp + t * 16 * K : tail.data(); };
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t pairs = strips / 2, pair_elems = 2 * (K / kKChunk) * kTileElems;
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {

@@ -4,13 +4,14 @@ A plain bf16 ``F.linear`` on the CPU lets oneDNN reorder the weight into its blo
 every call: for a 135M model that is a full extra pass over the weights each step. So each layer
 keeps its weight in the order its kernel reads it:
 
-- with the compiled kernels on a CPU with AMX: AMX B-tile order (``tile_weight``), run by
-  ``amx_gemm`` from 7 rows up, and the plain row-major weight for ``small_gemm`` at up to 6 rows
-  (decode steps of a few sequences). Both sit on transparent huge pages (``place_on_huge_pages``):
-  a decode step streams every weight once, and with 4 KiB pages the stream stalls on TLB misses
-  (200-request workload's GEMMs at 16 rows: 20 -> 12 ms per step, small_gemm at 1 row 23 -> 10 ms);
+- with the compiled kernels on a CPU with AMX: AMX B-tile order (``tile_weight``), the one copy
+  ``amx_gemm`` runs for every row count (tiles from 7 rows, AVX512-BF16 dot products below). It
+  sits on transparent huge pages (``place_on_huge_pages``): a decode step streams every weight
+  once, and with 4 KiB pages the stream stalls on TLB misses (SmolLM2-135M's 120 layer GEMMs at 16
+  rows: 20 -> 12 ms, small_gemm at 1 row: 23 -> 10 ms);
 - otherwise oneDNN's blocked layout (``packed_weight``), what torch's inductor does for frozen CPU
-  models. Where the packed ops are missing or disagree, the layer stays a plain nn.Linear.
+  models, plus the plain weight for ``small_gemm`` at up to 6 rows (on huge pages). Where the
+  packed ops are missing or disagree, the layer stays a plain nn.Linear.
 
 The fused gate/up projection of the MLP can also apply SiLU-and-multiply in the GEMM's epilogue
 (``silu_and_mul``): its tile weight interleaves gate and up strips so each output block holds both.
@@ -28,9 +29,7 @@ from pagedllm.host_memory import copy_to_huge_pages
 logger = logging.getLogger(__name__)
 
 
-# Up to this many rows the streaming small-M kernel (small_gemm.cpp) is at least as fast as the
-# AMX tiles (weights on huge pages, 120 GEMMs of SmolLM2-135M: 10.0 vs 13.8 ms at 1 row, 14.5 vs
-# 14.0 at 6, 16.9 vs 13.9 at 8).
+# Without AMX: up to this many rows the streaming small-M kernel (small_gemm.cpp) beats oneDNN.
 SMALL_GEMM_MAX_ROWS = 6
 _AMX_STRIP, _AMX_K = 16, 32  # output columns per B tile, K per tile product
 
@@ -72,40 +71,39 @@ class PackedLinear(nn.Module):
             and not (fuse_silu_mul and (n % (4 * _AMX_STRIP) or self.bias is not None))
         )
         self.fused_silu_mul = fuse_silu_mul and self.use_amx
-        self.small_gemm = kernels.small_gemm if kernels is not None and kernels.small_gemm_available() else None
-        if k % 32:
+        if self.use_amx:  # amx_gemm serves every row count from this one copy
             self.small_gemm = None
-        if self.use_amx:
             self.register_buffer(
                 "tile_weight", tile_order(interleave_gate_up(w) if self.fused_silu_mul else w), persistent=False
             )
         else:
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w), persistent=False)
-        # The small-M kernel streams the plain row-major weight, so that stays too (2x weight memory).
+            # Decode steps of a few rows: the streaming small-M kernel on the plain row-major weight,
+            # which then stays too (2x weight memory).
+            usable = kernels is not None and kernels.small_gemm_available() and k % 32 == 0
+            self.small_gemm = kernels.small_gemm if usable else None
         self.weight = w if self.small_gemm is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_amx:
+            t = x.reshape(-1, self.in_features).contiguous()
+            y = self.kernels.amx_gemm(t, self.tile_weight, self.bias, "none")
+            if self.fused_silu_mul:  # interleaved [gate 0, up 0, gate 1, ...] strips: columns back in order
+                y = y.view(t.shape[0], -1, 2, _AMX_STRIP).transpose(1, 2)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.small_gemm is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
-        if self.use_amx and not self.fused_silu_mul:
-            return self.kernels.amx_gemm(
-                x.reshape(-1, self.in_features).contiguous(), self.tile_weight, self.bias, "none"
-            ).view(*x.shape[:-1], self.out_features)
-        if self.use_amx:  # interleaved [gate 0, up 0, gate 1, ...] strips: put the columns back in order
-            t = x.reshape(-1, self.in_features).contiguous()
-            y = self.kernels.amx_gemm(t, self.tile_weight, None, "none").view(t.shape[0], -1, 2, _AMX_STRIP)
-            return y.transpose(1, 2).reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this fused [gate; up] projection of x [T, K] -> [T, I]."""
-        if self.fused_silu_mul and not (self.small_gemm is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS):
+        if self.fused_silu_mul:
             return self.kernels.amx_gemm(x.contiguous(), self.tile_weight, None, "silu_mul")
         return self.kernels.silu_and_mul(self.forward(x))
 
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """(attribute, tensor) of every weight copy a step streams."""
-        names = ("tile_weight", "weight") if self.use_amx else ("weight",)
+        """(attribute, tensor) of every weight copy a step streams (oneDNN's opaque one cannot move)."""
+        names = ("tile_weight",) if self.use_amx else ("weight",)
         return [(n, getattr(self, n)) for n in names if getattr(self, n, None) is not None]
 
 
