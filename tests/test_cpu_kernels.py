@@ -183,7 +183,8 @@ amx = pytest.mark.skipif(kernels is None or not kernels.amx_gemm_available(), re
 @amx
 # 1-6 rows: dot products; 7 up: tiles, partial row tiles, more than one 256-row chunk
 @pytest.mark.parametrize("m", [1, 3, 6, 7, 16, 17, 32, 33, 200, 300])
-@pytest.mark.parametrize("n,k,bias", [(64, 32, False), (96, 160, True), (1024, 96, False)])
+# k 576: more than one 8-chunk K block when there are several row blocks
+@pytest.mark.parametrize("n,k,bias", [(64, 32, False), (96, 160, True), (1024, 96, False), (128, 576, True)])
 def test_amx_gemm_matches_linear(m, n, k, bias):
     from pagedllm.models.cpu_linear import tile_order
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Session 4: throughput only, strictly alternating vLLM and pagedllm runs (one timed run each per
 # round) under one lock, so that this VM's drift (vLLM moved 791 -> 672 tok/s between two
-# consecutive runs of run.sh) lands on both systems alike.   ./interleave.sh [ROUNDS=3]
+# consecutive runs of run.sh) lands on both systems alike.   ./interleave.sh [ROUNDS=3] [OUT_DIR]
+# (OUT_DIR relative to this directory, default this directory; session 5: ../session5)
 set -u
-R=$(cd "$(dirname "$0")" && pwd)
-source "$R/../anchors_env.sh"
+H=$(cd "$(dirname "$0")" && pwd)
+source "$H/../anchors_env.sh"
+R=$(mkdir -p "$H/${2:-.}" && cd "$H/${2:-.}" && pwd)
 cd "$REPO_DIR"
 for i in $(seq "${1:-3}"); do
   echo "== round $i vllm $(date)"
