@@ -132,6 +132,8 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engi
         assert (llm.llm_engine.model.kernels is not None) == (backend == "auto")
         if backend == "auto" and family == "mistral" and kernels.prefill_attention_available(64, 16):
             assert llm.llm_engine.runner.prefill_kernel is not None
+        if backend == "auto" and kernels.amx_gemm_available():  # the AMX GEMMs and the fused SiLU epilogue ran
+            assert llm.llm_engine.model.layers[0].mlp.gate_up_proj.fused_silu_mul
         outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     compared = 0
     for fast, ref in zip(outs["auto"], outs["torch"], strict=True):
