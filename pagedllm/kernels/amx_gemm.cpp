@@ -95,10 +95,7 @@ inline void store_block(const float* cbuf, int64_t rows, uint16_t* y, int64_t ld
       store_float_as_bf16x16(yr + col0 + 16, hi);
     } else {
       // Same rounding steps as silu_and_mul on a bf16 gate_up row.
-      for (int i = 0; i < 16; ++i) {
-        const float g = round_bf16(c[i]), u = round_bf16(c[16 + i]);
-        yr[col0 + i] = float_to_bf16_bits(round_bf16(g / (1.f + std::exp(-g))) * u);
-      }
+      _mm256_storeu_si256((__m256i*)(yr + col0), silu_mul_bf16x16(_mm512_loadu_ps(c), _mm512_loadu_ps(c + 16)));
     }
   }
 }
