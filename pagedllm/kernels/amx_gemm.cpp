@@ -36,6 +36,9 @@ constexpr int64_t kMaxRowBlocks = kRowChunk / 32;
 
 enum class Epilogue { kNone, kSiluMul };
 
+// First output column of strip pair p: 32 columns each, or 16 after silu(gate) * up.
+inline int64_t pair_out_col(int64_t p, Epilogue epi) { return epi == Epilogue::kNone ? p * 32 : p * 16; }
+
 // One block: row tiles a0 (and a1: 16 rows each, row stride lda) against strips b0, b1 over kchunks
 // k-chunks -> C in cbuf[32][32], added to what cbuf holds when `accumulate`; meanwhile pf_lines cache
 // lines from `prefetch` on are requested into L2.
@@ -148,8 +151,8 @@ void vec_gemm(const uint16_t* xp, int64_t K, const uint16_t* wp, int64_t strips,
       else
         vec_strips<M, 2>(xp, K, w, strip_elems, next, cbuf);
       for (int64_t pr = 0; pr < ns / 2; ++pr) {
-        const int64_t p = s0 / 2 + pr;
-        store_block(cbuf + pr * M * 32, M, yp, out_cols, epi == Epilogue::kNone ? p * 32 : p * 16, bp, epi);
+        const int64_t p = s0 / 2 + pr;  // strip pair
+        store_block(cbuf + pr * M * 32, M, yp, out_cols, pair_out_col(p, epi), bp, epi);
       }
     }
   });
@@ -228,7 +231,7 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
           const char* next = reinterpret_cast<const char*>(b0 + pair_elems);
           // The weights stream from memory: each block product requests its share of the next pair.
           const int64_t next_lines = p + 1 < p_end ? pair_elems * 2 / 64 : 0, calls = nkb * blocks;
-          const int64_t col0 = epi == Epilogue::kNone ? p * 32 : p * 16;
+          const int64_t col0 = pair_out_col(p, epi);
           for (int64_t kb = 0, c = 0; kb < nkb; ++kb) {
             const int64_t k0 = kb * kblock, kc = std::min(kblock, kt_n - k0);
             for (int64_t m0 = mc, j = 0; m0 < mc_end; m0 += 32, ++j, ++c) {

@@ -67,16 +67,15 @@ inline uint16_t float_to_bf16_bits(float f) {
 inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
 
 #if PAGEDLLM_AVX512BF16
-inline __m512 bf16x16_to_float(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+inline __m512 bf16x16_bits_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 bf16x16_to_float(const uint16_t* p) { return bf16x16_bits_to_float(_mm256_loadu_si256((const __m256i*)p)); }
 // Round to nearest even, as torch's float -> bfloat16 conversion does.
 inline void store_float_as_bf16x16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
-inline __m512 round_bf16x16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+inline __m512 round_bf16x16(__m512 v) { return bf16x16_bits_to_float((__m256i)_mm512_cvtneps_pbh(v)); }
 
 // e^x to ~2 float ulps: 2^n * e^r with n = round(x log2 e), r = x - n ln 2 (|r| <= 0.35, ln 2 in two
 // parts) and e^r by its degree-6 Taylor polynomial (truncation ~1.2e-7). glibc's vectorized expf

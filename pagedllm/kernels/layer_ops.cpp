@@ -94,15 +94,21 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       const uint16_t* g = in + t * stride;
       const uint16_t* u = g + I;
       uint16_t* o = op + t * I;
-      int64_t i = 0;
 #if PAGEDLLM_AVX512BF16
-      for (; i + 16 <= I; i += 16)
-        _mm256_storeu_si256((__m256i*)(o + i), silu_mul_bf16x16(bf16x16_to_float(g + i), bf16x16_to_float(u + i)));
-#endif
-      for (; i < I; ++i) {
+      // 16 at a time, the last few masked: every element through the GEMM epilogue's formula.
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - i)) - 1);
+        const __m512 gv = bf16x16_bits_to_float(_mm256_maskz_loadu_epi16(m, g + i));
+        const __m512 uv = bf16x16_bits_to_float(_mm256_maskz_loadu_epi16(m, u + i));
+        _mm256_mask_storeu_epi16(o + i, m, silu_mul_bf16x16(gv, uv));
+      }
+#else
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
         const float x = bf16_bits_to_float(g[i]);
         o[i] = float_to_bf16_bits(round_bf16(x / (1.f + std::exp(-x))) * bf16_bits_to_float(u[i]));
       }
+#endif
     }
   });
   return out;

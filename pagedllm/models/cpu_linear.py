@@ -73,6 +73,8 @@ class PackedLinear(nn.Module):
         self.fused_silu_mul = fuse_silu_mul and self.use_amx
         if self.use_amx:  # amx_gemm serves every row count from this one copy
             self.small_gemm = None
+            if self.bias is not None:  # added in float by the kernel: convert once, not per call
+                self.bias = self.bias.float()
             self.register_buffer(
                 "tile_weight", tile_order(interleave_gate_up(w) if self.fused_silu_mul else w), persistent=False
             )

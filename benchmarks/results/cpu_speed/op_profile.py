@@ -27,33 +27,23 @@ def timed(f, key):
     return g
 
 
-linear_forward = PackedLinear.forward
-
-
-linear_silu_and_mul = PackedLinear.silu_and_mul
-
-
 def gemm_key(rows):
     return "gemm rows<=6" if rows <= 6 else ("gemm rows 7-256" if rows <= 256 else "gemm rows>256")
 
 
-def timed_linear(self, x):
-    t = time.perf_counter()
-    out = linear_forward(self, x)
-    T[gemm_key(x.shape[0])] += time.perf_counter() - t
-    return out
+def timed_gemm(method):  # counted by the rows of x
+    def g(self, x):
+        t = time.perf_counter()
+        out = method(self, x)
+        T[gemm_key(x.shape[0])] += time.perf_counter() - t
+        return out
+
+    return g
 
 
-def timed_silu_and_mul(self, x):  # gate/up GEMM with SiLU-and-multiply in its epilogue
-    t = time.perf_counter()
-    out = linear_silu_and_mul(self, x)
-    T[gemm_key(x.shape[0])] += time.perf_counter() - t
-    return out
-
-
-# before the engine resolves the layers' bound methods
-PackedLinear.forward = timed_linear
-PackedLinear.silu_and_mul = timed_silu_and_mul
+# before the engine resolves the layers' bound methods; silu_and_mul: the gate/up GEMM with its epilogue
+PackedLinear.forward = timed_gemm(PackedLinear.forward)
+PackedLinear.silu_and_mul = timed_gemm(PackedLinear.silu_and_mul)
 pa._prefill = timed(pa._prefill, "prefill attention (SDPA)")
 llama.attend = timed(llama.attend, "attention, all")
 
