@@ -86,7 +86,7 @@ def reexec_with_tcmalloc(argv: list[str]) -> None:
 
 
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-_HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
@@ -110,8 +110,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    aligned_start = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    aligned_end = end // _HUGE_PAGE * _HUGE_PAGE
+    aligned_start = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    aligned_end = end // HUGE_PAGE * HUGE_PAGE
     if aligned_end <= aligned_start:
         return False
     try:
@@ -137,10 +137,10 @@ def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None
     for t in tensors:
         offsets.append(total)
         total += (t.numel() * t.element_size() + 63) // 64 * 64
-    arena = torch.empty(total + 2 * _HUGE_PAGE, dtype=torch.uint8)
+    arena = torch.empty(total + 2 * HUGE_PAGE, dtype=torch.uint8)
     if not advise_huge_pages(arena):
         return None
-    base = (-arena.data_ptr()) % _HUGE_PAGE  # first huge page boundary inside the buffer
+    base = (-arena.data_ptr()) % HUGE_PAGE  # first huge page boundary inside the buffer
     copies = []
     for t, off in zip(tensors, offsets, strict=True):
         nbytes = t.numel() * t.element_size()

@@ -110,8 +110,13 @@ kernels = load_cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernel could not be built here")
 
 
+# Also every head_dim the bf16 kernel specializes (32 / 64 / 128 / 256), with GQA groups of 1-8 query
+# heads and block sizes that are not a multiple of 16 (1, 8).
+KERNEL_CASES = CASES + [(1, 9, 3, 64), (8, 10, 2, 64), (16, 8, 1, 128), (32, 6, 1, 32), (16, 2, 1, 256)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("block_size,h,hkv,d", CASES)
+@pytest.mark.parametrize("block_size,h,hkv,d", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_reference(block_size, h, hkv, d, dtype):
     decode_lens = [1, 2, 16, 17, 100, 300]  # ragged, block boundaries included

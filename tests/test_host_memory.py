@@ -83,10 +83,9 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_host_memory import _huge_kib_in
 from pagedllm.runner.kv_cache import allocate_kv_cache
-((k, v),) = allocate_kv_cache(1, 8192, 16, 4, 64, torch.bfloat16, torch.device("cpu"))  # 64 MiB each
-assert not k.any() and not v.any()  # still zeroed: attention relies on it
-start = k.data_ptr()
-print(_huge_kib_in(start, start + k.numel() * k.element_size()))
+caches = [t for kv in allocate_kv_cache(2, 8192, 16, 4, 64, torch.bfloat16, torch.device("cpu")) for t in kv]
+assert all(not t.any() for t in caches)  # still zeroed: attention relies on it
+print(min(_huge_kib_in(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in caches))  # 64 MiB each
 """
 
 
@@ -105,6 +104,20 @@ def test_kv_cache_is_backed_by_huge_pages_where_the_kernel_allows():
     huge_kib = int(out.stdout.split()[-1])
     if _thp_mode() in ("always", "madvise"):
         assert huge_kib >= 32 << 10  # most of the 64 MiB tensor
+
+
+def test_cpu_kv_caches_are_separate_aligned_views_of_one_buffer():
+    import torch
+
+    from pagedllm.runner.kv_cache import allocate_kv_cache
+
+    caches = [t for kv in allocate_kv_cache(3, 10, 4, 2, 8, torch.float32, torch.device("cpu")) for t in kv]
+    assert len(caches) == 6 and all(t.shape == (10, 2, 4, 8) and t.is_contiguous() for t in caches)
+    assert all(t.data_ptr() % host_memory.HUGE_PAGE == 0 for t in caches)  # each on its own huge page
+    assert all(t.untyped_storage().data_ptr() == caches[0].untyped_storage().data_ptr() for t in caches)
+    for i, t in enumerate(caches):  # no overlap: a write to one cache shows in no other
+        t.fill_(i + 1)
+    assert all(torch.equal(t, torch.full_like(t, i + 1)) for i, t in enumerate(caches))
 
 
 def test_huge_pages_can_be_turned_off(monkeypatch):
