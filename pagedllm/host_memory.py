@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -123,28 +124,43 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
 
 
+def empty_on_huge_pages(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], align: int = 64
+) -> tuple[list[torch.Tensor], bool]:
+    """Uninitialized CPU tensors of the given (shape, dtype)s, in order, as views of one new buffer
+    whose pages are not touched yet; each view starts on an ``align``-byte boundary (64, or
+    HUGE_PAGE to give each its own huge pages). Returns the views and whether the buffer was
+    advised for transparent huge pages (see advise_huge_pages); touch them only after this call.
+
+    One large fresh allocation, not many: a tensor carved from memory the allocator already touched
+    with 4 KiB pages stays on them, whatever madvise asks."""
+    import torch  # here, not at module level: see the import note at the top
+
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += (math.prod(shape) * dtype.itemsize + align - 1) // align * align
+    arena = torch.empty(total + 2 * HUGE_PAGE, dtype=torch.uint8)
+    advised = advise_huge_pages(arena)
+    base = (-arena.data_ptr()) % HUGE_PAGE  # first huge page boundary inside the buffer
+    views = [
+        arena[base + off : base + off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for (shape, dtype), off in zip(specs, offsets, strict=True)
+    ]
+    return views, advised
+
+
 def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Copies CPU tensors into one new buffer backed by transparent huge pages; returns the copies
     (views of that buffer, 64-byte aligned, same shapes and dtypes), or None where huge pages
     cannot be had (see advise_huge_pages) or a tensor is not a CPU tensor.
 
     For weights streamed once per decode step: see pagedllm.models.cpu_linear."""
-    import torch  # here, not at module level: see the import note at the top
-
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return None
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += (t.numel() * t.element_size() + 63) // 64 * 64
-    arena = torch.empty(total + 2 * HUGE_PAGE, dtype=torch.uint8)
-    if not advise_huge_pages(arena):
+    copies, advised = empty_on_huge_pages([(tuple(t.shape), t.dtype) for t in tensors])
+    if not advised:
         return None
-    base = (-arena.data_ptr()) % HUGE_PAGE  # first huge page boundary inside the buffer
-    copies = []
-    for t, off in zip(tensors, offsets, strict=True):
-        nbytes = t.numel() * t.element_size()
-        view = arena[base + off : base + off + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        copies.append(view)
+    for copy, t in zip(copies, tensors, strict=True):
+        copy.copy_(t)
     return copies

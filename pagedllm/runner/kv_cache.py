@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.host_memory import HUGE_PAGE, advise_huge_pages
+from pagedllm.host_memory import HUGE_PAGE, empty_on_huge_pages
 
 GIB = 1 << 30
 
@@ -46,25 +46,13 @@ def allocate_kv_cache(
 def _cpu_caches_on_huge_pages(
     num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """All layers' K and V caches as views of one buffer, each starting on a 2 MiB boundary.
+    """All layers' K and V caches as views of one fresh buffer, each on its own huge pages.
 
-    One allocation this large is fresh memory from the OS, so MADV_HUGEPAGE (asked for before
-    the first touch, then zeroed) backs all of it with huge pages. Sixty separate ~66 MB tensors
-    were partly carved from memory the allocator had already touched with 4 KiB pages (freed
-    load-time buffers), which madvise does not convert: 8 of 60 caches ended up on small pages.
-    """
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    stride = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    arena = torch.empty(2 * num_layers * stride + HUGE_PAGE, dtype=torch.uint8)
-    advise_huge_pages(arena)  # before the pages are first touched
-    base = (-arena.data_ptr()) % HUGE_PAGE
-    caches = []
-    for i in range(2 * num_layers):
-        view = arena[base + i * stride : base + i * stride + nbytes].view(dtype).view(shape)
-        caches.append(view.zero_())
+    As 60 separate ~66 MB tensors, some were carved from memory the allocator had already touched
+    with 4 KiB pages (freed load-time buffers), which madvise does not convert (seen in smaps)."""
+    caches, _ = empty_on_huge_pages([(shape, dtype)] * (2 * num_layers), align=HUGE_PAGE)
+    for t in caches:
+        t.zero_()  # the first touch, after the advice
     return [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]
 
 
