@@ -20,8 +20,12 @@ def rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (here / name).open()]
 
 
-ours = {int(r["label"].rsplit("run", 1)[1]): r["output_tok_s"] for r in rows("results.jsonl")}
-vllm = {int(r["label"].rsplit("run", 1)[1]): r["output_tok_s"] for r in rows("interleaved-anchors.jsonl")}
+def by_round(name: str, prefix: str) -> dict[int, float]:
+    return {int(r["label"].rsplit("run", 1)[1]): r["output_tok_s"] for r in rows(name) if r["label"].startswith(prefix)}
+
+
+ours = by_round("results.jsonl", "pagedllm interleaved")
+vllm = by_round("interleaved-anchors.jsonl", "interleaved")
 rounds = sorted(ours)
 tax = []
 for i in rounds:
