@@ -33,6 +33,7 @@ constexpr int64_t kRowChunk = 256;    // rows of x per pass over the weights (x 
 // stays in L1 while the row blocks pass, so only A streams from L2 (C is kept in L1 in between).
 constexpr int64_t kKBlock = 8;
 constexpr int64_t kMaxRowBlocks = kRowChunk / 32;
+constexpr int64_t kPrefetchMinBlocks = 5;  // row blocks of 32 from which the next strip pair is prefetched
 
 enum class Epilogue { kNone, kSiluMul };
 
@@ -229,8 +230,14 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
           const uint16_t* b0 = wp + p * pair_elems;
           const uint16_t* b1 = b0 + pair_elems / 2;
           const char* next = reinterpret_cast<const char*>(b0 + pair_elems);
-          // The weights stream from memory: each block product requests its share of the next pair.
-          const int64_t next_lines = p + 1 < p_end ? pair_elems * 2 / 64 : 0, calls = nkb * blocks;
+          // The weights stream from memory: with many row blocks each block product requests its
+          // share of the next pair. With up to kPrefetchMinBlocks - 1 blocks (128 rows) the L2
+          // streamer keeps up with the pair stream on its own and the explicit requests only took
+          // line-fill buffers from the tile loads (session5/gemm_stream.py, 120 GEMMs from memory,
+          // 16 / 64 / 128 rows: 14.0 / 21.1 / 28.6 -> 12.2 / 21.0 / 28.0 ms, 96 rows 25.5 -> 23.6;
+          // but 160 / 200 rows 31.0 / 39.2 -> 33.4 / 40.6 without; small and noisy gains).
+          const int64_t next_lines = p + 1 < p_end && blocks >= kPrefetchMinBlocks ? pair_elems * 2 / 64 : 0;
+          const int64_t calls = nkb * blocks;
           const int64_t col0 = pair_out_col(p, epi);
           for (int64_t kb = 0, c = 0; kb < nkb; ++kb) {
             const int64_t k0 = kb * kblock, kc = std::min(kblock, kt_n - k0);
