@@ -1,11 +1,13 @@
-"""Session 7's alternating rounds as a chart (speed.png): output tok/s of vLLM and pagedllm per
-round, with the host's page-aging tax measured just before each round.
+"""Alternating rounds as a chart (speed.png): output tok/s of vLLM and pagedllm per round, with the
+host's page-aging tax measured just before each round (interleave_probe.sh's output).
 
-python plot.py   (reads results.jsonl, interleaved-anchors.jsonl and probe-run*.log here)
+python plot.py [DIR]   (reads results.jsonl, interleaved-anchors.jsonl and probe-run*.log in DIR,
+default this directory, session 7's; writes DIR/speed.png; session 8: python plot.py ../session8)
 """
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -13,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-here = Path(__file__).parent
+here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 
 
 def rows(name: str) -> list[dict]:
@@ -41,7 +43,7 @@ for x, i in zip(xs, rounds, strict=True):
     ax.text(x + width / 2, ours[i] + 8, f"{ours[i] / vllm[i]:.2f}x", ha="center", fontsize=9)
 ax.set_xticks(list(xs), [f"round {i}\nhost tax {t:.0f} us/page/s" for i, t in zip(rounds, tax, strict=True)])
 ax.set_ylabel("output tokens / s")
-ax.set_title("200-request workload, strictly alternating (session 7)")
+ax.set_title(f"200-request workload, strictly alternating ({here.resolve().name})")
 ax.legend(loc="lower right")
 fig.tight_layout()
 fig.savefig(here / "speed.png", dpi=110)
