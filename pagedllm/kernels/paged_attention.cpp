@@ -97,12 +97,6 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
 }
 
 #if PAGEDLLM_AVX512BF16
-// Blocks are scattered in memory (that is the point of paging), so the hardware prefetcher
-// cannot run ahead across them: ask for the rows of this head two blocks ahead (into L2: the
-// L1 has too few line-fill buffers to keep enough misses in flight; measured 1.3x). The rows of
-// one head in a block are contiguous (head-major cache). The requests go out one row per row
-// processed, not a block at a time: a burst of a block's 32 prefetches held the fill buffers that
-// the rows in use then waited for (kernel alone 10-15% faster spread out).
 // The 16 horizontal sums of a[0..15], in order, by a transpose-and-add tree (45 shuffles and adds
 // instead of 16 horizontal reductions of ~8 each).
 inline __m512 sum16(const __m512 a[16]) {
@@ -120,6 +114,12 @@ inline __m512 sum16(const __m512 a[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
 }
 
+// Blocks are scattered in memory (that is the point of paging), so the hardware prefetcher
+// cannot run ahead across them: ask for the rows of this head two blocks ahead (into L2: the
+// L1 has too few line-fill buffers to keep enough misses in flight; measured 1.3x). The rows of
+// one head in a block are contiguous (head-major cache). The requests go out one row per row
+// processed, not a block at a time: a burst of a block's 32 prefetches held the fill buffers that
+// the rows in use then waited for (kernel alone 9-17% faster spread out).
 inline void prefetch_head_rows(const uint16_t* p, int64_t rows, int64_t D) {
   for (int64_t off = 0; off < rows * D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 }
@@ -153,7 +153,7 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
     const uint16_t* kb = kp + g.head_block(table[b], h);
     const int64_t n = std::min(bs, len - b * bs);
     const uint16_t* ahead = stream_block(b + 2);
-    const uint16_t* next = b == 0 ? stream_block(1) : nullptr;  // the first block had no predecessor to ask
+    const uint16_t* next = b == 0 ? stream_block(1) : nullptr;  // no earlier block asked for block 1
     for (int64_t j = 0; j < G; ++j) {
       __m512bh qv[C];
       for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
