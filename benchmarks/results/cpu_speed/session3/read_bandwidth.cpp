@@ -1,6 +1,9 @@
 // Per-thread read bandwidth of the access patterns paged attention makes (session 3 probe).
 // g++ -O3 -march=native -fopenmp read_bandwidth.cpp -o rb && THP=1 ./rb THREADS CHUNK_BYTES PREFETCH_AHEAD MODE [HINT]
-// MODE 0: read whole random chunks; 1: 2 of every 6 lines, 3 passes (one KV head of 3 per pass).
+// MODE 0: read whole random chunks; 1: 2 of every 6 lines, 3 passes (one KV head of 3 per pass);
+// 2 (session 8, the head-major cache of session 4): runs of RUN chunks (env, default 19: one
+// sequence's blocks), each run read in 3 passes of one contiguous third of every chunk (one KV head
+// per pass), prefetch ignored. PLACED=1 (env): chunks in order, as the block pool places them.
 // Per-thread read bandwidth for access patterns of paged attention.
 #include <immintrin.h>
 #include <omp.h>
@@ -12,6 +15,7 @@
 #include <random>
 #include <vector>
 #include <cstdint>
+#include <algorithm>
 
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -30,6 +34,9 @@ int main(int argc, char** argv) {
   std::vector<size_t> order(reads);
   std::mt19937_64 rng(1);
   for (auto& o : order) o = rng() % nchunks;
+  if (getenv("PLACED"))
+    for (size_t i = 0; i < reads; ++i) order[i] = i;
+  const size_t run = getenv("RUN") ? atoi(getenv("RUN")) : 19;
   double best = 1e9;
   for (int rep = 0; rep < 3; ++rep) {
     double t0 = now();
@@ -39,7 +46,15 @@ int main(int argc, char** argv) {
       __m512 acc = _mm512_setzero_ps();
       int tid = omp_get_thread_num();
       size_t lo = reads * tid / threads, hi = reads * (tid + 1) / threads;
-      for (size_t i = lo; i < hi; ++i) {
+      if (stride_mode == 2) {
+        for (size_t r0 = lo; r0 < hi; r0 += run)
+          for (int h = 0; h < 3; ++h)
+            for (size_t i = r0; i < std::min(hi, r0 + run); ++i) {
+              const char* p = buf + order[i] * chunk + h * (chunk / 3);
+              for (size_t off = 0; off < chunk / 3; off += 64) acc = _mm512_add_ps(acc, _mm512_load_ps((const float*)(p + off)));
+            }
+      }
+      for (size_t i = lo; i < hi && stride_mode != 2; ++i) {
         if (pf && i + pf < hi) {
           const char* p = buf + order[i + pf] * chunk;
           for (size_t off = 0; off < chunk; off += 64) {
