@@ -17,6 +17,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -213,6 +214,199 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
 }
 #endif
 
+#if PAGEDLLM_AMX
+// Tiles of the decode kernel's q.k product (its own configuration, loaded per thread per call):
+// tiles 0, 1 = A, 16 keys x 32 dims of K read in place (row stride D); tiles 2, 3 = B, the group's
+// G query rows for 32 dims in pair-interleaved form (16 pair-rows x G x 2); tiles 4, 5 = C, 16
+// keys x G scores. One product does the G queries' dot products with 16 keys: no horizontal sums.
+inline TileConfig decode_tiles(int64_t G) {
+  TileConfig cfg;
+  for (int t : {0, 1, 2, 3, 4, 5}) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = static_cast<uint16_t>(t < 2 ? 64 : 4 * G);
+  }
+  return cfg;
+}
+
+struct PvArgs {
+  const uint16_t* vp;
+  const int64_t* table;
+  const uint16_t* const* ahead;  // per V block: what to prefetch while reading it (null: nothing)
+  const uint16_t* probs;         // [G][len2] bf16
+  const float* inv;              // per query head: 1 / softmax denominator
+  float* acc;                    // [G][D] out, head dims in order
+  int64_t blk_stride, head_stride, h, bs, len, len2, nblk, j0;
+  bool prefetch;
+};
+
+// p.v for query heads j0 .. j0+J-1: two keys per vdpbf16ps, the pair of V rows interleaved in
+// registers (unpacklo/hi of 16-bit words), J x D/16 float accumulators in registers.
+template <int D, int J>
+void pv_pass(const PvArgs& x) {
+  constexpr int C = D / 32, V = D / 16;
+  __m512 a[J][V];
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < V; ++v) a[j][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nblk; ++b) {
+    const uint16_t* vb = x.vp + x.table[b] * x.blk_stride + x.h * x.head_stride;
+    const int64_t n = std::min(x.bs, x.len - b * x.bs);
+    const uint16_t* ahead = x.prefetch ? x.ahead[b] : nullptr;
+    for (int64_t i = 0; i < n; i += 2) {
+      if (ahead != nullptr) prefetch_head_rows(ahead + i * D, 2, D);
+      const uint16_t* r0 = vb + i * D;
+      __m512i w[V];
+      for (int c = 0; c < C; ++c) {
+        const __m512i x0 = _mm512_loadu_si512(r0 + c * 32);
+        // the key after the last is not read: its p is 0 but its row may hold anything
+        const __m512i x1 = i + 1 < n ? _mm512_loadu_si512(r0 + D + c * 32) : _mm512_setzero_si512();
+        w[2 * c] = _mm512_unpacklo_epi16(x0, x1);
+        w[2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
+      }
+      const int64_t t = b * x.bs + i;
+      for (int j = 0; j < J; ++j) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.probs + (x.j0 + j) * x.len2 + t));
+        for (int v = 0; v < V; ++v) a[j][v] = _mm512_dpbf16_ps(a[j][v], pp, (__m512bh)w[v]);
+      }
+    }
+    if (ahead != nullptr && n < x.bs) prefetch_head_rows(ahead + n * D, x.bs - n, D);
+  }
+  // Lane 4k + e of accumulator (c, half) holds head dim 32c + 8k + 4 half + e.
+  for (int j = 0; j < J; ++j) {
+    float* aj = x.acc + (x.j0 + j) * D;
+    alignas(64) float tmp[16];
+    for (int v = 0; v < V; ++v) {
+      _mm512_store_ps(tmp, _mm512_mul_ps(a[j][v], _mm512_set1_ps(x.inv[x.j0 + j])));
+      const int c = v / 2, half = v % 2;
+      for (int k = 0; k < 4; ++k)
+        for (int e = 0; e < 4; ++e) aj[32 * c + 8 * k + 4 * half + e] = tmp[4 * k + e];
+    }
+  }
+}
+
+// bf16, D in {32, 64, 128, 256}, G <= 16, block size a multiple of 16. q.k on AMX tiles (above);
+// softmax in float; p.v with vdpbf16ps on pairs of V rows interleaved in registers (two keys per
+// product), p rounded to bf16 as HF's bf16 attention rounds its probabilities before p @ v. The
+// pair interleave permutes the head dims inside each accumulator; the epilogue puts them back.
+// Scratch: scores [len16][G] float, probs [G][len2] bf16.
+template <int D>
+void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const uint16_t* qp, const uint16_t* kp,
+                     const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
+                     std::vector<float>& acc, std::vector<float>& qt_buf, std::vector<const uint16_t*>& ahead_buf,
+                     const uint16_t* next_k) {
+  constexpr int C = D / 32, V = D / 16;
+  constexpr int JC = V >= 16 ? 1 : 16 / V;  // query heads whose accumulators stay in registers at once
+  const int64_t G = g.group, bs = g.block_size;
+  const int64_t len16 = (len + 15) / 16 * 16, len2 = (len + 1) / 2 * 2;
+  const int64_t nblk = (len + bs - 1) / bs;
+  const uint16_t* q0 = qp + s * g.q_stride + h * G * D;
+  // B operands: qt[c][i][j] = dims (32c + 2i, 32c + 2i + 1) of query head j, as one 32-bit pair.
+  qt_buf.resize(C * 16 * G);
+  uint32_t* qt = reinterpret_cast<uint32_t*>(qt_buf.data());
+  for (int64_t j = 0; j < G; ++j) {
+    const uint32_t* qj = reinterpret_cast<const uint32_t*>(q0 + j * D);
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < 16; ++i) qt[(c * 16 + i) * G + j] = qj[c * 16 + i];
+  }
+  // scores [len16][G] float, then probs [G][len2] bf16 behind them in the same buffer
+  const int64_t prob_floats = (G * len2 + 1) / 2 + 16;
+  scores.resize(len16 * G + prob_floats);
+  float* S = scores.data();
+  uint16_t* P = reinterpret_cast<uint16_t*>(S + len16 * G);
+  auto stream_block = [&](int64_t pos) -> const uint16_t* {
+    if (pos < nblk) return kp + g.head_block(table[pos], h);
+    if (pos < 2 * nblk) return vp + g.head_block(table[pos - nblk], h);
+    return pos == 2 * nblk ? next_k : nullptr;
+  };
+  if constexpr (C <= 2) {  // the query tiles stay loaded for the whole item (tiles 2 and 3)
+    _tile_loadd(2, qt, G * 4);
+    if constexpr (C == 2) _tile_loadd(3, qt + 16 * G, G * 4);
+  }
+  // Keys in groups of 16 (block_size is a multiple of 16, so a group lies in one block), two
+  // groups at a time in tiles 0/4 and 1/5: their products are independent, so one group's tile
+  // loads and products overlap the other's (a single chain load -> product -> store serializes).
+  // Rows past len in the last group are stale rows of its block: their scores land in rows >= len
+  // of S, which nothing reads.
+  const int64_t ngroups = len16 / 16;
+  auto group_rows = [&](int64_t gi) { return kp + g.head_block(table[gi * 16 / bs], h) + gi * 16 % bs * D; };
+  // While reading a group, the same rows two blocks ahead in the stream are asked for (and block 1
+  // during block 0); the last group also asks for the rest of those blocks.
+  auto prefetch_group = [&](int64_t gi) {
+    const int64_t b = gi * 16 / bs, r = gi * 16 % bs, rows = gi + 1 == ngroups ? bs - r : 16;
+    if (const uint16_t* ahead = stream_block(b + 2)) prefetch_head_rows(ahead + r * D, rows, D);
+    if (b == 0 && nblk > 1) prefetch_head_rows(stream_block(1) + r * D, rows, D);
+  };
+  for (int64_t gi = 0; gi < ngroups; gi += 2) {
+    const bool two = gi + 1 < ngroups;
+    prefetch_group(gi);
+    if (two) prefetch_group(gi + 1);
+    const uint16_t* k0 = group_rows(gi);
+    const uint16_t* k1 = two ? group_rows(gi + 1) : nullptr;
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int c = 0; c < C; ++c) {
+      if constexpr (C > 2) _tile_loadd(2, qt + c * 16 * G, G * 4);
+      _tile_loadd(0, k0 + c * 32, D * 2);
+      if (two) _tile_loadd(1, k1 + c * 32, D * 2);
+      if (C > 2 || c == 0) {
+        _tile_dpbf16ps(4, 0, 2);
+        if (two) _tile_dpbf16ps(5, 1, 2);
+      } else {
+        _tile_dpbf16ps(4, 0, 3);
+        if (two) _tile_dpbf16ps(5, 1, 3);
+      }
+    }
+    _tile_stored(4, S + gi * 16 * G, G * 4);
+    if (two) _tile_stored(5, S + (gi + 1) * 16 * G, G * 4);
+  }
+  // Softmax per query head over the strided scores (gathered 16 keys at a time).
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int>(G)));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  float inv[16];
+  for (int64_t j = 0; j < G; ++j) {
+    __m512 mx = _mm512_set1_ps(-3.0e38f);
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+      const __m512 x = _mm512_mask_i32gather_ps(mx, mk, idx, S + t * G + j, 4);
+      mx = _mm512_max_ps(mx, x);
+    }
+    const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), vscale);
+    __m512 sum = _mm512_setzero_ps();
+    uint16_t* pj = P + j * len2;
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+      const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, S + t * G + j, 4);
+      const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_fmsub_ps(x, vscale, m)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_mask_storeu_epi16(pj + t, mk, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (len2 > len) pj[len] = 0;
+    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  acc.resize(G * D);
+  ahead_buf.resize(nblk);
+  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream_block(nblk + b + 2);
+  for (int64_t j0 = 0; j0 < G; j0 += JC) {
+    const PvArgs args{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
+                      len2, nblk, j0, j0 == 0};
+    switch (std::min<int64_t>(JC, G - j0)) {
+      case 1: pv_pass<D, 1>(args); break;
+      case 2: if constexpr (JC >= 2) pv_pass<D, 2>(args); break;
+      case 3: if constexpr (JC >= 3) pv_pass<D, 3>(args); break;
+      case 4: if constexpr (JC >= 4) pv_pass<D, 4>(args); break;
+      case 5: if constexpr (JC >= 5) pv_pass<D, 5>(args); break;
+      case 6: if constexpr (JC >= 6) pv_pass<D, 6>(args); break;
+      case 7: if constexpr (JC >= 7) pv_pass<D, 7>(args); break;
+      default: if constexpr (JC >= 8) pv_pass<D, 8>(args); break;
+    }
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
+    for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_loadu_ps(acc.data() + j * D + c * 16));
+  }
+}
+#endif
+
 template <typename scalar_t>
 void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -234,10 +428,14 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  bool fast = false;
+  bool fast = false, amx = false;
 #if PAGEDLLM_AVX512BF16
   fast = std::is_same<scalar_t, at::BFloat16>::value && g.group <= 64 &&
          (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256);
+#endif
+#if PAGEDLLM_AMX
+  amx = fast && g.group <= 16 && g.block_size % 16 == 0 && amx_permitted();
+  const TileConfig tiles = decode_tiles(g.group);
 #endif
 
   // Cost-balanced split of the (sequence, kv head) items over the threads.
@@ -247,6 +445,13 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
 
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> qf, scores, acc, row;
+    std::vector<const uint16_t*> ahead;
+#if PAGEDLLM_AMX
+    if (amx) {
+      std::atomic_signal_fence(std::memory_order_seq_cst);  // the config's stores before ldtilecfg reads it
+      _tile_loadconfig(&tiles);
+    }
+#endif
     for (int64_t tid = tb; tid < te; ++tid) {
       for (int64_t item = bounds[tid]; item < bounds[tid + 1]; ++item) {
         const int64_t s = item / g.num_kv_heads, h = item % g.num_kv_heads;
@@ -262,6 +467,17 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
             const int64_t ns = (item + 1) / g.num_kv_heads, nh = (item + 1) % g.num_kv_heads;
             next_k = k16 + g.head_block(bt[ns * g.max_blocks], nh);
           }
+#if PAGEDLLM_AMX
+          if (amx) {
+            switch (g.head_dim) {
+              case 32: attend_bf16_amx<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, qf, ahead, next_k); break;
+              case 64: attend_bf16_amx<64>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, qf, ahead, next_k); break;
+              case 128: attend_bf16_amx<128>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, qf, ahead, next_k); break;
+              default: attend_bf16_amx<256>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, qf, ahead, next_k); break;
+            }
+            continue;
+          }
+#endif
           switch (g.head_dim) {
             case 32: attend_bf16<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
             case 64: attend_bf16<64>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
@@ -274,6 +490,9 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
         }
       }
     }
+#if PAGEDLLM_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
