@@ -309,7 +309,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
   }
   // scores [len16][G] float, then probs [G][len2] bf16 behind them in the same buffer
   const int64_t prob_floats = (G * len2 + 1) / 2 + 16;
-  scores.resize(len16 * G + prob_floats);
+  scores.resize(2 * len16 * G + prob_floats);
   float* S = scores.data();
   uint16_t* P = reinterpret_cast<uint16_t*>(S + len16 * G);
   auto stream_block = [&](int64_t pos) -> const uint16_t* {
@@ -358,16 +358,20 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
     _tile_stored(4, S + gi * 16 * G, G * 4);
     if (two) _tile_stored(5, S + (gi + 1) * 16 * G, G * 4);
   }
-  // Softmax per query head over the strided scores (gathered 16 keys at a time).
+  // Softmax per query head: the strided scores gathered 16 keys at a time into a row of their
+  // own (ST [G][len16]) while the maximum is taken, then exponentiated from that row.
   const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                          _mm512_set1_epi32(static_cast<int>(G)));
   const __m512 vscale = _mm512_set1_ps(scale);
+  float* ST = reinterpret_cast<float*>(P) + prob_floats;
   float inv[16];
   for (int64_t j = 0; j < G; ++j) {
     __m512 mx = _mm512_set1_ps(-3.0e38f);
+    float* sj = ST + j * len16;
     for (int64_t t = 0; t < len; t += 16) {
       const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
       const __m512 x = _mm512_mask_i32gather_ps(mx, mk, idx, S + t * G + j, 4);
+      _mm512_storeu_ps(sj + t, x);
       mx = _mm512_max_ps(mx, x);
     }
     const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), vscale);
@@ -375,7 +379,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
     uint16_t* pj = P + j * len2;
     for (int64_t t = 0; t < len; t += 16) {
       const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
-      const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, S + t * G + j, 4);
+      const __m512 x = _mm512_loadu_ps(sj + t);
       const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_fmsub_ps(x, vscale, m)));
       sum = _mm512_add_ps(sum, e);
       _mm256_mask_storeu_epi16(pj + t, mk, (__m256i)_mm512_cvtneps_pbh(e));
