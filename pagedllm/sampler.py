@@ -30,6 +30,11 @@ class SamplerOutput:
     # rows are exactly the requests it was given.
     requests: list[Request] | None = None
 
+    @classmethod
+    def of_tokens(cls, ids: list[int]) -> SamplerOutput:
+        """Tokens alone, one per request given (no logprobs, no forks)."""
+        return cls(ids, [None] * len(ids), [None] * len(ids))
+
 
 class Sampler:
     def __init__(self, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -49,7 +54,7 @@ class Sampler:
             logits, requests = logits[torch.tensor(rows, dtype=torch.long)], expanded
         want_logprobs = any(r.needs_logprobs for r in requests)
         penalties = _needs_penalties(requests)
-        if not want_logprobs and not penalties and all(r.sampling_params.greedy for r in requests):
+        if _greedy_without_extras(requests):
             ids = self._greedy(logits).tolist()
             return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
         logits = logits.float()
@@ -81,6 +86,13 @@ class Sampler:
                     d.setdefault(t, v)
             top.append(d)
         return SamplerOutput(ids, chosen_l, top, expanded)
+
+    @staticmethod
+    def argmax_only(requests: list[Request]) -> bool:
+        """Whether this step's samples are the argmax of the logits and nothing else: every request
+        greedy, no logprobs, no penalties, no forks. Then the model may hand over token ids
+        (LlamaForCausalLM.greedy_tokens) instead of logits."""
+        return not any(r.fork_children for r in requests) and _greedy_without_extras(requests)
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if self.argmax_rows is not None and logits.dtype == torch.bfloat16 and logits.stride(-1) == 1:
@@ -138,6 +150,14 @@ class Sampler:
             return chosen
         out[rows] = chosen
         return out
+
+
+def _greedy_without_extras(requests: list[Request]) -> bool:
+    return (
+        not any(r.needs_logprobs for r in requests)
+        and not _needs_penalties(requests)
+        and all(r.sampling_params.greedy for r in requests)
+    )
 
 
 def _needs_penalties(requests: list[Request]) -> bool:

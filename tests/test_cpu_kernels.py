@@ -233,3 +233,56 @@ def test_packed_gate_up_layer_keeps_plain_output_order(m):
     torch.testing.assert_close(layer(x).float(), ref, rtol=8e-3, atol=8e-3)
     gate, up = ref.split(64, dim=-1)
     torch.testing.assert_close(layer.silu_and_mul(x).float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+@amx
+@pytest.mark.parametrize("m", [1, 6, 7, 16, 33, 200])  # the vector path's rows, then tiles (one or more chunks)
+def test_amx_gemm_argmax_equals_argmax_of_the_logits(m):
+    """The greedy head's fused argmax picks what argmax_rows picks from amx_gemm's bf16 logits,
+    first maximum on ties: within a strip pair, across strip pairs and across the threads' halves."""
+    from pagedllm.models.cpu_linear import tile_order
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 4096, 96
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    # Rows 0-2 of x point at weight rows copied to several columns: exact ties for the maximum.
+    for r, cols in enumerate([(5, 17), (40, 3000), (2047, 2048, 4095)]):
+        if r < m:
+            w[list(cols)] = (x[r].float() * 4).to(BF16)
+    packed = tile_order(w)
+    expected = kernels.argmax_rows(kernels.amx_gemm(x, packed, None, "none"))
+    assert torch.equal(kernels.amx_gemm_argmax(x, packed), expected)
+    for r, cols in enumerate([(5, 17), (40, 3000), (2047, 2048, 4095)]):
+        if r < m:
+            assert expected[r] == cols[0]
+
+
+@amx
+def test_greedy_steps_skip_the_logits_and_pick_the_same_tokens(tiny_model_dirs, monkeypatch):
+    """An all-greedy step hands the head's argmax straight to the scheduler (no logits): same
+    tokens as the logits path; a step that wants logprobs still computes the logits."""
+    from pagedllm.models.llama import LlamaForCausalLM
+
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 3], list(range(10, 60)), [7] * 23)]
+    llm = LLM(model=tiny_model_dirs["llama"], dtype="bfloat16", num_kv_blocks=64)
+    calls = {"greedy": 0, "logits": 0}
+    greedy, logits = LlamaForCausalLM.greedy_tokens, LlamaForCausalLM.compute_logits
+
+    def counting(name, f):
+        def g(*a):
+            calls[name] += 1
+            return f(*a)
+
+        return g
+
+    monkeypatch.setattr(LlamaForCausalLM, "greedy_tokens", counting("greedy", greedy))
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", counting("logits", logits))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls == {"greedy": 10, "logits": 0}
+    monkeypatch.setattr(LlamaForCausalLM, "greedy_tokens", lambda self, hidden: None)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls["logits"] == 10 and fused == plain
+    with_logprobs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1))
+    assert [o.outputs[0].token_ids for o in with_logprobs] == fused and calls["logits"] == 20

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if PAGEDLLM_AMX
@@ -35,10 +36,32 @@ constexpr int64_t kKBlock = 8;
 constexpr int64_t kMaxRowBlocks = kRowChunk / 32;
 constexpr int64_t kPrefetchMinBlocks = 5;  // row blocks of 32 from which the next strip pair is prefetched
 
-enum class Epilogue { kNone, kSiluMul };
+enum class Epilogue { kNone, kSiluMul, kArgmax };
+
+// Greedy decoding's epilogue: per row, the largest logit (rounded to bf16, as the logits tensor
+// would hold it) and its first column, over the columns one thread has seen so far.
+struct RowBest {
+  float value;
+  int64_t index;
+};
+
+// Updates best[r] with the 32 columns col0.. of the block's rows; strictly greater only, so on
+// ties the first column wins when blocks arrive in column order.
+inline void argmax_block(const float* cbuf, int64_t rows, int64_t col0, RowBest* best) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = round_bf16x16(_mm512_loadu_ps(cbuf + r * 32));
+    const __m512 hi = round_bf16x16(_mm512_loadu_ps(cbuf + r * 32 + 16));
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
+    if (!(m > best[r].value)) continue;
+    const __m512 mv = _mm512_set1_ps(m);
+    const uint32_t in_lo = _mm512_cmp_ps_mask(lo, mv, _CMP_EQ_OQ);
+    const int64_t at = in_lo ? __builtin_ctz(in_lo) : 16 + __builtin_ctz(_mm512_cmp_ps_mask(hi, mv, _CMP_EQ_OQ));
+    best[r] = {m, col0 + at};
+  }
+}
 
 // First output column of strip pair p: 32 columns each, or 16 after silu(gate) * up.
-inline int64_t pair_out_col(int64_t p, Epilogue epi) { return epi == Epilogue::kNone ? p * 32 : p * 16; }
+inline int64_t pair_out_col(int64_t p, Epilogue epi) { return epi == Epilogue::kSiluMul ? p * 16 : p * 32; }
 
 // One block: row tiles a0 (and a1: 16 rows each, row stride lda) against strips b0, b1 over kchunks
 // k-chunks -> C in cbuf[32][32], added to what cbuf holds when `accumulate`; meanwhile pf_lines cache
@@ -170,51 +193,20 @@ bool amx_gemm_available() {
 #endif
 }
 
-// x [M, K] bf16 contiguous; packed [N/16, K/32, 16, 32] bf16 (W [N, K] in B-tile order);
-// bias: [N] or none (epilogue "none" only). Returns [M, N] ("none") or [M, N/2] ("silu_mul").
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                       const std::string& epilogue) {
-  TORCH_CHECK(amx_gemm_available(), "amx_gemm: AMX not available here");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "amx_gemm: bf16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 4 && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 32 && packed.size(1) * kKChunk == x.size(1),
-              "amx_gemm: x [M, K] and packed [N/16, K/32, 16, 32], contiguous");
-  TORCH_CHECK(epilogue == "none" || epilogue == "silu_mul", "amx_gemm: epilogue none or silu_mul");
-  const Epilogue epi = epilogue == "none" ? Epilogue::kNone : Epilogue::kSiluMul;
-  const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0), N = strips * kStrip;
-  TORCH_CHECK(strips % 2 == 0, "amx_gemm: N must be a multiple of 32");
-  TORCH_CHECK(!(bias.has_value() && bias->defined()) || epi == Epilogue::kNone, "amx_gemm: bias with silu_mul");
-  const int64_t out_cols = epi == Epilogue::kNone ? N : N / 2;
-  auto y = torch::empty({M, out_cols}, x.options());
 #if PAGEDLLM_AMX
-  if (M == 0) return y;
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "amx_gemm: bias of N values");
-    bias_f = bias->to(torch::kFloat).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  switch (M) {
-    case 1: vec_gemm<1>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
-    case 2: vec_gemm<2>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
-    case 3: vec_gemm<3>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
-    case 4: vec_gemm<4>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
-    case 5: vec_gemm<5>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
-    case 6: vec_gemm<6>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
-    default: break;  // tiles
-  }
-  static_assert(kVecRows == 6, "the switch above covers 1..kVecRows rows");
+namespace {
+// The tile path (more than kVecRows rows): each thread streams its share of the strip pairs, in
+// column order; sink(C [rows][32] floats, rows, first row, first output column, thread) takes
+// every finished 32 x 32 block.
+template <typename Sink>
+void tile_gemm(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t strips, Epilogue epi,
+               int64_t nthreads, Sink&& sink) {
   // Tile loads read 16 rows: a partial last row tile is read from a zero-padded copy instead.
   const int64_t full_tiles = M / 16, tail_rows = M % 16;
   std::vector<uint16_t> tail(tail_rows ? 16 * K : 0, 0);
   if (tail_rows) std::memcpy(tail.data(), xp + full_tiles * 16 * K, tail_rows * K * 2);
   auto row_tile = [&](int64_t t) { return t < full_tiles ? xp + t * 16 * K : tail.data(); };
   const int64_t pairs = strips / 2, pair_elems = 2 * (K / kKChunk) * kTileElems;
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
     configure_tiles();
     alignas(64) float cacc[kMaxRowBlocks][32 * 32];
@@ -252,7 +244,7 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
                                  l1 - l0, cacc[j]);
               else
                 block_product<1>(a0, nullptr, K, bk0, bk1, kc, kb > 0, next + l0 * 64, l1 - l0, cacc[j]);
-              if (kb == nkb - 1) store_block(cacc[j], rows, yp + m0 * out_cols, out_cols, col0, bp, epi);
+              if (kb == nkb - 1) sink(cacc[j], rows, m0, col0, tid);
             }
           }
         }
@@ -260,6 +252,94 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
     }
     _tile_release();
   });
+}
+
+// Threads that tile_gemm uses for `strips` strips.
+inline int64_t tile_threads(int64_t strips) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), strips / 2));
+}
+}  // namespace
+#endif
+
+static void check_operands(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(amx_gemm_available(), "amx_gemm: AMX not available here");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "amx_gemm: bf16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 32 && packed.size(1) * kKChunk == x.size(1),
+              "amx_gemm: x [M, K] and packed [N/16, K/32, 16, 32], contiguous");
+  TORCH_CHECK(packed.size(0) % 2 == 0, "amx_gemm: N must be a multiple of 32");
+}
+
+// x [M, K] bf16 contiguous; packed [N/16, K/32, 16, 32] bf16 (W [N, K] in B-tile order);
+// bias: [N] or none (epilogue "none" only). Returns [M, N] ("none") or [M, N/2] ("silu_mul").
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                       const std::string& epilogue) {
+  check_operands(x, packed);
+  TORCH_CHECK(epilogue == "none" || epilogue == "silu_mul", "amx_gemm: epilogue none or silu_mul");
+  const Epilogue epi = epilogue == "none" ? Epilogue::kNone : Epilogue::kSiluMul;
+  const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0), N = strips * kStrip;
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) || epi == Epilogue::kNone, "amx_gemm: bias with silu_mul");
+  const int64_t out_cols = epi == Epilogue::kNone ? N : N / 2;
+  auto y = torch::empty({M, out_cols}, x.options());
+#if PAGEDLLM_AMX
+  if (M == 0) return y;
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "amx_gemm: bias of N values");
+    bias_f = bias->to(torch::kFloat).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  switch (M) {
+    case 1: vec_gemm<1>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 2: vec_gemm<2>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 3: vec_gemm<3>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 4: vec_gemm<4>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 5: vec_gemm<5>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    case 6: vec_gemm<6>(xp, K, wp, strips, bp, yp, out_cols, epi); return y;
+    default: break;  // tiles
+  }
+  static_assert(kVecRows == 6, "the switch above covers 1..kVecRows rows");
+  const int64_t nthreads = tile_threads(strips);
+  tile_gemm(xp, M, K, wp, strips, epi, nthreads,
+            [&](const float* c, int64_t rows, int64_t m0, int64_t col0, int64_t) {
+              store_block(c, rows, yp + m0 * out_cols, out_cols, col0, bp, epi);
+            });
 #endif
   return y;
+}
+
+torch::Tensor argmax_rows(torch::Tensor x);  // layer_ops.cpp
+
+// Greedy decoding's LM head: for each row of x, the first column of the maximum of
+// bf16(x @ W^T), the argmax of the logits amx_gemm would return, without writing those [M, N]
+// logits and reading them back. Operands as amx_gemm's (no bias); returns int64 [M].
+torch::Tensor amx_gemm_argmax(torch::Tensor x, torch::Tensor packed) {
+  check_operands(x, packed);
+  const int64_t M = x.size(0), K = x.size(1), strips = packed.size(0);
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+#if PAGEDLLM_AMX
+  if (M == 0) return out;
+  // A few rows take the vector path: its logits are small enough to write.
+  if (M <= kVecRows) return argmax_rows(amx_gemm(x, packed, c10::nullopt, "none"));
+  const int64_t nthreads = tile_threads(strips);
+  // Per thread over its own columns (each thread's are in order, thread t's before t + 1's).
+  std::vector<RowBest> best(nthreads * M, RowBest{std::numeric_limits<float>::lowest(), 0});
+  tile_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+            strips, Epilogue::kArgmax, nthreads,
+            [&](const float* c, int64_t rows, int64_t m0, int64_t col0, int64_t tid) {
+              argmax_block(c, rows, col0, best.data() + tid * M + m0);
+            });
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    RowBest b = best[r];
+    for (int64_t t = 1; t < nthreads; ++t)
+      if (best[t * M + r].value > b.value) b = best[t * M + r];
+    op[r] = b.index;
+  }
+#endif
+  return out;
 }

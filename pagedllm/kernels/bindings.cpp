@@ -18,6 +18,7 @@ bool small_gemm_available();
 torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                        const std::string& epilogue);
 bool amx_gemm_available();
+torch::Tensor amx_gemm_argmax(torch::Tensor x, torch::Tensor packed);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -33,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each row of bfloat16 logits");
   m.def("small_gemm", &small_gemm, "x @ W^T (+ bias) for a few rows of x (AVX512-BF16)");
   m.def("amx_gemm", &amx_gemm, "x @ W^T (+ bias, or silu(gate) * up) with W packed in AMX B-tile order");
+  m.def("amx_gemm_argmax", &amx_gemm_argmax,
+        "greedy LM head: per row, the first argmax of bf16(x @ W^T) with W packed as for amx_gemm (no logits written)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm runs here (AMX built and permitted)");
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX512-BF16)");
 }

@@ -97,6 +97,13 @@ class PackedLinear(nn.Module):
             return self.small_gemm(x.contiguous(), self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Index of the first maximum of each row of this layer's bf16 output for x [T, K], the
+        logits never written (greedy decoding's LM head); None where the kernel does not apply."""
+        if not self.use_amx or self.fused_silu_mul or self.bias is not None:
+            return None
+        return self.kernels.amx_gemm_argmax(x.contiguous(), self.tile_weight)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this fused [gate; up] projection of x [T, K] -> [T, I]."""
         if self.fused_silu_mul:

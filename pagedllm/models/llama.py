@@ -235,6 +235,12 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax of compute_logits(hidden) per row, without the logits (a greedy-only step's
+        [rows, vocab] logits are most of the head's time to write and read back); None when
+        only compute_logits serves here."""
+        return self.packed_head.argmax(hidden) if self.packed_head is not None else None
+
     def pack_for_cpu(self, kernels=None) -> int:
         """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers
         packed. ``kernels``: the compiled CPU kernels (AMX / small-M GEMMs), or None for oneDNN."""

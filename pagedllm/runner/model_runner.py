@@ -50,7 +50,12 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampling:
             return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])
+        hidden = hidden[sample_rows]
+        if self.sampler.argmax_only(sampling):
+            ids = self.model.greedy_tokens(hidden)
+            if ids is not None:
+                return sampling, SamplerOutput.of_tokens(ids.tolist())
+        logits = self.model.compute_logits(hidden)
         # Sampling runs on the host: per-request torch.Generators are CPU generators.
         return sampling, self.sampler(logits.cpu(), sampling)
 
