@@ -12,8 +12,10 @@
 // once for all query heads of its GQA group. Items are split between threads by their cost
 // (sequence length), not by count: a ragged batch would otherwise leave one core idle.
 // Scores, softmax and accumulation are in float. Decode attention is bound by memory traffic
-// (every step reads the whole KV cache of every running sequence), so the bf16 path reads K/V
-// as bf16 and multiplies them with AVX512-BF16 dot products instead of widening rows first.
+// (every step reads the whole KV cache of every running sequence), so the bf16 paths read K/V
+// as bf16 and multiply them without widening rows first: with AMX (block size a multiple of 16)
+// q.k is one tile product per 16 keys for the whole GQA group and p.v uses AVX512-BF16 dot
+// products on pairs of V rows (attend_bf16_amx); without AMX both use AVX512-BF16 (attend_bf16).
 #include "common.h"
 
 #include <algorithm>
@@ -322,8 +324,9 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
     if constexpr (C == 2) _tile_loadd(3, qt + 16 * G, G * 4);
   }
   // Keys in groups of 16 (block_size is a multiple of 16, so a group lies in one block), two
-  // groups at a time in tiles 0/4 and 1/5: their products are independent, so one group's tile
-  // loads and products overlap the other's (a single chain load -> product -> store serializes).
+  // groups at a time in tiles 0/4 and 1/5, so that their independent products may overlap (hot
+  // kernel: no measurable difference to one group at a time; the tile products here wait on
+  // their loads and latencies, not on the tile unit's throughput).
   // Rows past len in the last group are stale rows of its block: their scores land in rows >= len
   // of S, which nothing reads.
   const int64_t ngroups = len16 / 16;
