@@ -34,7 +34,8 @@ timed(engine.scheduler, "update_after_step", "update_after_step")
 timed(runner, "_prepare", "runner._prepare")
 timed(runner.model, "forward", "model.forward")
 timed(runner.model, "compute_logits", "compute_logits")
-timed(runner, "sampler", "sampler")
+timed(runner.model, "greedy_tokens", "greedy_tokens")
+timed(type(runner.sampler), "__call__", "sampler")  # on the class: the runner also calls its argmax_only
 timed(runner, "execute", "runner.execute")
 for i, r in enumerate(requests):
     params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
