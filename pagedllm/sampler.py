@@ -52,11 +52,11 @@ class Sampler:
             rows = [i for i, r in enumerate(requests) for _ in range(1 + len(r.fork_children))]
             expanded = [x for r in requests for x in (r, *r.fork_children)]
             logits, requests = logits[torch.tensor(rows, dtype=torch.long)], expanded
-        want_logprobs = any(r.needs_logprobs for r in requests)
-        penalties = _needs_penalties(requests)
         if _greedy_without_extras(requests):
             ids = self._greedy(logits).tolist()
             return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
+        want_logprobs = any(r.needs_logprobs for r in requests)
+        penalties = _needs_penalties(requests)
         logits = logits.float()
         processed = self._apply_penalties(logits.clone(), requests) if penalties else logits
         token_ids = self._choose(processed, requests)
