@@ -289,7 +289,7 @@ void pv_pass(const PvArgs& x) {
 // softmax in float; p.v with vdpbf16ps on pairs of V rows interleaved in registers (two keys per
 // product), p rounded to bf16 as HF's bf16 attention rounds its probabilities before p @ v. The
 // pair interleave permutes the head dims inside each accumulator; the epilogue puts them back.
-// Scratch: scores [len16][G] float, probs [G][len2] bf16.
+// Scratch (`scores`): scores [len16][G] float, probs [G][len2] bf16, then each head's scores [G][len16].
 template <int D>
 void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const uint16_t* qp, const uint16_t* kp,
                      const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
