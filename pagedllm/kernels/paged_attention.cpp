@@ -59,6 +59,22 @@ struct Geometry {
   int64_t head_block(int64_t block, int64_t h) const { return block * blk_stride + h * head_stride; }
 };
 
+// The blocks one work item reads, in order: its K blocks 0 .. nblk-1, then its V blocks, then the
+// thread's next item starts on its first K block. at(pos) is block `pos` of that stream (null
+// past its end): what to prefetch ahead of the block being read.
+struct BlockStream {
+  const Geometry& g;
+  const uint16_t *kp, *vp;
+  const int64_t* table;
+  int64_t h, nblk;
+  const uint16_t* next_k;
+  const uint16_t* at(int64_t pos) const {
+    if (pos < nblk) return kp + g.head_block(table[pos], h);
+    if (pos < 2 * nblk) return vp + g.head_block(table[pos - nblk], h);
+    return pos == 2 * nblk ? next_k : nullptr;
+  }
+};
+
 // Portable path (any dtype, any head_dim): rows widened to float, compiler-vectorized loops.
 template <typename scalar_t>
 void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const scalar_t* qp, const scalar_t* kp,
@@ -141,13 +157,7 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   float* S = scores.data();
   const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
   const int64_t nblk = (len + bs - 1) / bs;
-  // The item reads K blocks 0 .. nblk-1, then V blocks 0 .. nblk-1, then the thread's next item
-  // starts on its first K block: block `pos` of that stream (null past its end) is what to prefetch.
-  auto stream_block = [&](int64_t pos) -> const uint16_t* {
-    if (pos < nblk) return kp + g.head_block(table[pos], h);
-    if (pos < 2 * nblk) return vp + g.head_block(table[pos - nblk], h);
-    return pos == 2 * nblk ? next_k : nullptr;
-  };
+  const BlockStream stream{g, kp, vp, table, h, nblk, next_k};
   // Rows n .. bs-1 of the blocks prefetched row by row while a partial block of n rows was read.
   auto prefetch_rest = [&](const uint16_t* p, int64_t n) {
     if (p != nullptr && n < bs) prefetch_head_rows(p + n * D, bs - n, D);
@@ -155,8 +165,8 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   for (int64_t b = 0; b < nblk; ++b) {
     const uint16_t* kb = kp + g.head_block(table[b], h);
     const int64_t n = std::min(bs, len - b * bs);
-    const uint16_t* ahead = stream_block(b + 2);
-    const uint16_t* next = b == 0 ? stream_block(1) : nullptr;  // no earlier block asked for block 1
+    const uint16_t* ahead = stream.at(b + 2);
+    const uint16_t* next = b == 0 ? stream.at(1) : nullptr;  // no earlier block asked for block 1
     for (int64_t j = 0; j < G; ++j) {
       __m512bh qv[C];
       for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
@@ -191,7 +201,7 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
     const int64_t n = std::min(bs, len - b * bs);
     // V blocks 0 and 1 were asked for during the last K blocks; the next item's first K block
     // during this item's last V blocks (it would start cold otherwise: +2% with huge pages).
-    const uint16_t* ahead = stream_block(nblk + b + 2);
+    const uint16_t* ahead = stream.at(nblk + b + 2);
     for (int64_t i = 0; i < n; ++i) {
       if (ahead != nullptr) prefetch_head_rows(ahead + i * D, 1, D);
       for (int c = 0; c < V; ++c) _mm512_storeu_ps(VF + i * D + c * 16, bf16x16_to_float(vb + i * D + c * 16));
@@ -218,14 +228,14 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
 
 #if PAGEDLLM_AMX
 // Tiles of the decode kernel's q.k product (its own configuration, loaded per thread per call):
-// tiles 0, 1 = A, 16 keys x 32 dims of K read in place (row stride D); tiles 2, 3 = B, the group's
-// G query rows for 32 dims in pair-interleaved form (16 pair-rows x G x 2); tiles 4, 5 = C, 16
-// keys x G scores. One product does the G queries' dot products with 16 keys: no horizontal sums.
+// tile 0 = A, 16 keys x 32 dims of K read in place (row stride D); tiles 2, 3 = B, the group's
+// G query rows for 32 dims in pair-interleaved form (16 pair-rows x G x 2); tile 4 = C, 16 keys
+// x G scores. One product does the G queries' dot products with 16 keys: no horizontal sums.
 inline TileConfig decode_tiles(int64_t G) {
   TileConfig cfg;
-  for (int t : {0, 1, 2, 3, 4, 5}) {
+  for (int t : {0, 2, 3, 4}) {
     cfg.rows[t] = 16;
-    cfg.colsb[t] = static_cast<uint16_t>(t < 2 ? 64 : 4 * G);
+    cfg.colsb[t] = static_cast<uint16_t>(t == 0 ? 64 : 4 * G);
   }
   return cfg;
 }
@@ -314,52 +324,37 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
   scores.resize(2 * len16 * G + prob_floats);
   float* S = scores.data();
   uint16_t* P = reinterpret_cast<uint16_t*>(S + len16 * G);
-  auto stream_block = [&](int64_t pos) -> const uint16_t* {
-    if (pos < nblk) return kp + g.head_block(table[pos], h);
-    if (pos < 2 * nblk) return vp + g.head_block(table[pos - nblk], h);
-    return pos == 2 * nblk ? next_k : nullptr;
-  };
+  const BlockStream stream{g, kp, vp, table, h, nblk, next_k};
   if constexpr (C <= 2) {  // the query tiles stay loaded for the whole item (tiles 2 and 3)
     _tile_loadd(2, qt, G * 4);
     if constexpr (C == 2) _tile_loadd(3, qt + 16 * G, G * 4);
   }
-  // Keys in groups of 16 (block_size is a multiple of 16, so a group lies in one block), two
-  // groups at a time in tiles 0/4 and 1/5, so that their independent products may overlap (hot
-  // kernel: no measurable difference to one group at a time; the tile products here wait on
-  // their loads and latencies, not on the tile unit's throughput).
-  // Rows past len in the last group are stale rows of its block: their scores land in rows >= len
-  // of S, which nothing reads.
+  // Keys in groups of 16 (block_size is a multiple of 16, so a group lies in one block). (Two
+  // groups at a time in separate tiles measured no different: the products wait on their loads
+  // and latencies, not on the tile unit's throughput.) Rows past len in the last group are stale
+  // rows of its block: their scores land in rows >= len of S, which nothing reads.
   const int64_t ngroups = len16 / 16;
   auto group_rows = [&](int64_t gi) { return kp + g.head_block(table[gi * 16 / bs], h) + gi * 16 % bs * D; };
   // While reading a group, the same rows two blocks ahead in the stream are asked for (and block 1
   // during block 0); the last group also asks for the rest of those blocks.
   auto prefetch_group = [&](int64_t gi) {
     const int64_t b = gi * 16 / bs, r = gi * 16 % bs, rows = gi + 1 == ngroups ? bs - r : 16;
-    if (const uint16_t* ahead = stream_block(b + 2)) prefetch_head_rows(ahead + r * D, rows, D);
-    if (b == 0 && nblk > 1) prefetch_head_rows(stream_block(1) + r * D, rows, D);
+    if (const uint16_t* ahead = stream.at(b + 2)) prefetch_head_rows(ahead + r * D, rows, D);
+    if (b == 0 && nblk > 1) prefetch_head_rows(stream.at(1) + r * D, rows, D);
   };
-  for (int64_t gi = 0; gi < ngroups; gi += 2) {
-    const bool two = gi + 1 < ngroups;
+  for (int64_t gi = 0; gi < ngroups; ++gi) {
     prefetch_group(gi);
-    if (two) prefetch_group(gi + 1);
     const uint16_t* k0 = group_rows(gi);
-    const uint16_t* k1 = two ? group_rows(gi + 1) : nullptr;
     _tile_zero(4);
-    _tile_zero(5);
     for (int c = 0; c < C; ++c) {
       if constexpr (C > 2) _tile_loadd(2, qt + c * 16 * G, G * 4);
       _tile_loadd(0, k0 + c * 32, D * 2);
-      if (two) _tile_loadd(1, k1 + c * 32, D * 2);
-      if (C > 2 || c == 0) {
+      if (C > 2 || c == 0)
         _tile_dpbf16ps(4, 0, 2);
-        if (two) _tile_dpbf16ps(5, 1, 2);
-      } else {
+      else
         _tile_dpbf16ps(4, 0, 3);
-        if (two) _tile_dpbf16ps(5, 1, 3);
-      }
     }
     _tile_stored(4, S + gi * 16 * G, G * 4);
-    if (two) _tile_stored(5, S + (gi + 1) * 16 * G, G * 4);
   }
   // Softmax per query head: the strided scores gathered 16 keys at a time into a row of their
   // own (ST [G][len16]) while the maximum is taken, then exponentiated from that row.
@@ -392,7 +387,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
   }
   acc.resize(G * D);
   ahead_buf.resize(nblk);
-  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream_block(nblk + b + 2);
+  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream.at(nblk + b + 2);
   for (int64_t j0 = 0; j0 < G; j0 += JC) {
     const PvArgs args{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
                       len2, nblk, j0, j0 == 0};
