@@ -23,9 +23,9 @@
 #include <limits>
 #include <vector>
 
-#if PAGEDLLM_AMX
 namespace {
 
+// Constants and the epilogue kinds are also needed by the operand checks of a build without AMX.
 constexpr int64_t kStrip = 16;        // output columns of one B tile
 constexpr int64_t kKChunk = 32;       // K of one tile product
 constexpr int64_t kTileElems = 512;   // bf16 elements of one B tile (16 x 32)
@@ -37,6 +37,11 @@ constexpr int64_t kMaxRowBlocks = kRowChunk / 32;
 constexpr int64_t kPrefetchMinBlocks = 5;  // row blocks of 32 from which the next strip pair is prefetched
 
 enum class Epilogue { kNone, kSiluMul, kArgmax };
+
+}  // namespace
+
+#if PAGEDLLM_AMX
+namespace {
 
 // Greedy decoding's epilogue: per row, the largest logit (rounded to bf16, as the logits tensor
 // would hold it) and its first column, over the columns one thread has seen so far.
