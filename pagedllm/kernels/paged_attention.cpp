@@ -143,103 +143,6 @@ inline void prefetch_head_rows(const uint16_t* p, int64_t rows, int64_t D) {
   for (int64_t off = 0; off < rows * D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 }
 
-// bf16, head_dim D in {32, 64, 128, 256}: q.k with vdpbf16ps straight from the cache (products of
-// two bf16 are exact in float), 16 keys at a time summed by sum16; p.v with each block's V rows
-// widened once into an L1 buffer and the D/16 float accumulators of one query head kept in
-// registers (D is a template parameter).
-template <int D>
-void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uint16_t* qp, const uint16_t* kp,
-                 const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
-                 std::vector<float>& acc, std::vector<float>& vbuf, const uint16_t* next_k) {
-  constexpr int C = D / 32, V = D / 16;
-  const int64_t G = g.group, bs = g.block_size;
-  scores.resize(G * len);
-  float* S = scores.data();
-  const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
-  const int64_t nblk = (len + bs - 1) / bs;
-  const BlockStream stream{g, kp, vp, table, h, nblk, next_k};
-  // Rows n .. bs-1 of the blocks prefetched row by row while a partial block of n rows was read.
-  auto prefetch_rest = [&](const uint16_t* p, int64_t n) {
-    if (p != nullptr && n < bs) prefetch_head_rows(p + n * D, bs - n, D);
-  };
-  for (int64_t b = 0; b < nblk; ++b) {
-    const uint16_t* kb = kp + g.head_block(table[b], h);
-    const int64_t n = std::min(bs, len - b * bs);
-    const uint16_t* ahead = stream.at(b + 2);
-    const uint16_t* next = b == 0 ? stream.at(1) : nullptr;  // no earlier block asked for block 1
-    for (int64_t j = 0; j < G; ++j) {
-      __m512bh qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
-      float* sj = S + j * len + b * bs;
-      for (int64_t i0 = 0; i0 < n; i0 += 16) {  // 16 keys' dot products, summed by one transpose tree
-        const int64_t m = std::min<int64_t>(16, n - i0);
-        __m512 a[16];
-        for (int64_t i = 0; i < 16; ++i) {
-          a[i] = _mm512_setzero_ps();
-          if (i >= m) continue;
-          if (j == 0) {
-            if (ahead != nullptr) prefetch_head_rows(ahead + (i0 + i) * D, 1, D);
-            if (next != nullptr) prefetch_head_rows(next + (i0 + i) * D, 1, D);
-          }
-          const uint16_t* kt = kb + (i0 + i) * D;
-          for (int c = 0; c < C; ++c) a[i] = _mm512_dpbf16_ps(a[i], qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
-        }
-        _mm512_mask_storeu_ps(sj + i0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
-      }
-    }
-    prefetch_rest(ahead, n);
-    prefetch_rest(next, n);
-  }
-  float inv[64];
-  for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalized(S + j * len, len);
-  acc.assign(G * D, 0.f);
-  float* A = acc.data();
-  vbuf.resize(bs * D);
-  float* VF = vbuf.data();
-  for (int64_t b = 0; b < nblk; ++b) {
-    const uint16_t* vb = vp + g.head_block(table[b], h);
-    const int64_t n = std::min(bs, len - b * bs);
-    // V blocks 0 and 1 were asked for during the last K blocks; the next item's first K block
-    // during this item's last V blocks (it would start cold otherwise: +2% with huge pages).
-    const uint16_t* ahead = stream.at(nblk + b + 2);
-    for (int64_t i = 0; i < n; ++i) {
-      if (ahead != nullptr) prefetch_head_rows(ahead + i * D, 1, D);
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(VF + i * D + c * 16, bf16x16_to_float(vb + i * D + c * 16));
-    }
-    prefetch_rest(ahead, n);
-    for (int64_t j = 0; j < G; ++j) {
-      __m512 a[V];
-      for (int c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(A + j * D + c * 16);
-      const float* pj = S + j * len + b * bs;
-      for (int64_t i = 0; i < n; ++i) {
-        const __m512 p = _mm512_set1_ps(pj[i]);
-        for (int c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(VF + i * D + c * 16), a[c]);
-      }
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(A + j * D + c * 16, a[c]);
-    }
-  }
-  for (int64_t j = 0; j < G; ++j) {
-    uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
-    const __m512 sc = _mm512_set1_ps(inv[j]);
-    for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(A + j * D + c * 16), sc));
-  }
-}
-#endif
-
-#if PAGEDLLM_AMX
-// Tiles of the decode kernel's q.k product (its own configuration, loaded per thread per call):
-// tile 0 = A, 16 keys x 32 dims of K read in place (row stride D); tiles 2, 3 = B, the group's
-// G query rows for 32 dims in pair-interleaved form (16 pair-rows x G x 2); tile 4 = C, 16 keys
-// x G scores. One product does the G queries' dot products with 16 keys: no horizontal sums.
-inline TileConfig decode_tiles(int64_t G) {
-  TileConfig cfg;
-  for (int t : {0, 2, 3, 4}) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = static_cast<uint16_t>(t == 0 ? 64 : 4 * G);
-  }
-  return cfg;
-}
-
 struct PvArgs {
   const uint16_t* vp;
   const int64_t* table;
@@ -295,6 +198,128 @@ void pv_pass(const PvArgs& x) {
   }
 }
 
+// Softmax numerators of one query head's raw scores sj[0 .. len) (scaled here), rounded to bf16
+// into pj (zero-padded to an even length for the key pairs of pv_pass); returns 1 / their sum.
+inline float probs_bf16(const float* sj, int64_t len, int64_t len2, float scale, uint16_t* pj) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 mx = _mm512_set1_ps(-3.0e38f);
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+    mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_loadu_ps(sj + t));
+  }
+  const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), vscale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, sj + t), vscale, m)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_mask_storeu_epi16(pj + t, mk, (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (len2 > len) pj[len] = 0;
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// p.v of all G query heads, as many heads per pass over V as keep their accumulators in registers.
+template <int D>
+void pv_all_heads(PvArgs args, int64_t G) {
+  constexpr int V = D / 16;
+  constexpr int JC = V >= 16 ? 1 : 16 / V;
+  for (int64_t j0 = 0; j0 < G; j0 += JC) {
+    args.j0 = j0;
+    args.prefetch = j0 == 0;
+    switch (std::min<int64_t>(JC, G - j0)) {
+      case 1: pv_pass<D, 1>(args); break;
+      case 2: if constexpr (JC >= 2) pv_pass<D, 2>(args); break;
+      case 3: if constexpr (JC >= 3) pv_pass<D, 3>(args); break;
+      case 4: if constexpr (JC >= 4) pv_pass<D, 4>(args); break;
+      case 5: if constexpr (JC >= 5) pv_pass<D, 5>(args); break;
+      case 6: if constexpr (JC >= 6) pv_pass<D, 6>(args); break;
+      case 7: if constexpr (JC >= 7) pv_pass<D, 7>(args); break;
+      default: if constexpr (JC >= 8) pv_pass<D, 8>(args); break;
+    }
+  }
+}
+
+// bf16, head_dim D in {32, 64, 128, 256}, without AMX: q.k with vdpbf16ps straight from the cache
+// (products of two bf16 are exact in float), 16 keys at a time summed by sum16; softmax in float;
+// p.v as in the AMX path (pv_pass: two keys per vdpbf16ps, p rounded to bf16). Widening V to float
+// and one FMA per key and 16 dims instead took ~2x the instructions (AMD Zen 4).
+// Scratch (`scores`): raw scores [G][len] float, then probs [G][len2] bf16.
+template <int D>
+void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uint16_t* qp, const uint16_t* kp,
+                 const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
+                 std::vector<float>& acc, std::vector<const uint16_t*>& ahead_buf, const uint16_t* next_k) {
+  constexpr int C = D / 32, V = D / 16;
+  const int64_t G = g.group, bs = g.block_size, len2 = (len + 1) / 2 * 2;
+  scores.resize(G * len + (G * len2 + 1) / 2 + 16);
+  float* S = scores.data();
+  uint16_t* P = reinterpret_cast<uint16_t*>(S + G * len);
+  const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
+  const int64_t nblk = (len + bs - 1) / bs;
+  const BlockStream stream{g, kp, vp, table, h, nblk, next_k};
+  // Rows n .. bs-1 of the blocks prefetched row by row while a partial block of n rows was read.
+  auto prefetch_rest = [&](const uint16_t* p, int64_t n) {
+    if (p != nullptr && n < bs) prefetch_head_rows(p + n * D, bs - n, D);
+  };
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint16_t* kb = kp + g.head_block(table[b], h);
+    const int64_t n = std::min(bs, len - b * bs);
+    const uint16_t* ahead = stream.at(b + 2);
+    const uint16_t* next = b == 0 ? stream.at(1) : nullptr;  // no earlier block asked for block 1
+    for (int64_t j = 0; j < G; ++j) {
+      __m512bh qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q0 + j * D + c * 32);
+      float* sj = S + j * len + b * bs;
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {  // 16 keys' dot products, summed by one transpose tree
+        const int64_t m = std::min<int64_t>(16, n - i0);
+        __m512 a[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          a[i] = _mm512_setzero_ps();
+          if (i >= m) continue;
+          if (j == 0) {
+            if (ahead != nullptr) prefetch_head_rows(ahead + (i0 + i) * D, 1, D);
+            if (next != nullptr) prefetch_head_rows(next + (i0 + i) * D, 1, D);
+          }
+          const uint16_t* kt = kb + (i0 + i) * D;
+          for (int c = 0; c < C; ++c) a[i] = _mm512_dpbf16_ps(a[i], qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
+        }
+        _mm512_mask_storeu_ps(sj + i0, (__mmask16)((1u << m) - 1), sum16(a));
+      }
+    }
+    prefetch_rest(ahead, n);
+    prefetch_rest(next, n);
+  }
+  float inv[64];
+  for (int64_t j = 0; j < G; ++j) inv[j] = probs_bf16(S + j * len, len, len2, scale, P + j * len2);
+  // V blocks 0 and 1 were asked for during the last K blocks; the next item's first K block
+  // during this item's last V blocks (it would start cold otherwise: +2% with huge pages).
+  ahead_buf.resize(nblk);
+  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream.at(nblk + b + 2);
+  acc.resize(G * D);
+  pv_all_heads<D>(PvArgs{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
+                         len2, nblk, 0, true},
+                  G);
+  for (int64_t j = 0; j < G; ++j) {
+    uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
+    for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_loadu_ps(acc.data() + j * D + c * 16));
+  }
+}
+#endif
+
+#if PAGEDLLM_AMX
+// Tiles of the decode kernel's q.k product (its own configuration, loaded per thread per call):
+// tile 0 = A, 16 keys x 32 dims of K read in place (row stride D); tiles 2, 3 = B, the group's
+// G query rows for 32 dims in pair-interleaved form (16 pair-rows x G x 2); tile 4 = C, 16 keys
+// x G scores. One product does the G queries' dot products with 16 keys: no horizontal sums.
+inline TileConfig decode_tiles(int64_t G) {
+  TileConfig cfg;
+  for (int t : {0, 2, 3, 4}) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = static_cast<uint16_t>(t == 0 ? 64 : 4 * G);
+  }
+  return cfg;
+}
+
 // bf16, D in {32, 64, 128, 256}, G <= 16, block size a multiple of 16. q.k on AMX tiles (above);
 // softmax in float; p.v with vdpbf16ps on pairs of V rows interleaved in registers (two keys per
 // product), p rounded to bf16 as HF's bf16 attention rounds its probabilities before p @ v. The
@@ -306,7 +331,6 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
                      std::vector<float>& acc, std::vector<float>& qt_buf, std::vector<const uint16_t*>& ahead_buf,
                      const uint16_t* next_k) {
   constexpr int C = D / 32, V = D / 16;
-  constexpr int JC = V >= 16 ? 1 : 16 / V;  // query heads whose accumulators stay in registers at once
   const int64_t G = g.group, bs = g.block_size;
   const int64_t len16 = (len + 15) / 16 * 16, len2 = (len + 1) / 2 * 2;
   const int64_t nblk = (len + bs - 1) / bs;
@@ -357,51 +381,25 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
     _tile_stored(4, S + gi * 16 * G, G * 4);
   }
   // Softmax per query head: the strided scores gathered 16 keys at a time into a row of their
-  // own (ST [G][len16]) while the maximum is taken, then exponentiated from that row.
+  // own (ST [G][len16]), then probs_bf16 on that row.
   const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                          _mm512_set1_epi32(static_cast<int>(G)));
-  const __m512 vscale = _mm512_set1_ps(scale);
   float* ST = reinterpret_cast<float*>(P) + prob_floats;
   float inv[16];
   for (int64_t j = 0; j < G; ++j) {
-    __m512 mx = _mm512_set1_ps(-3.0e38f);
     float* sj = ST + j * len16;
     for (int64_t t = 0; t < len; t += 16) {
       const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
-      const __m512 x = _mm512_mask_i32gather_ps(mx, mk, idx, S + t * G + j, 4);
-      _mm512_storeu_ps(sj + t, x);
-      mx = _mm512_max_ps(mx, x);
+      _mm512_storeu_ps(sj + t, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, S + t * G + j, 4));
     }
-    const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), vscale);
-    __m512 sum = _mm512_setzero_ps();
-    uint16_t* pj = P + j * len2;
-    for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
-      const __m512 x = _mm512_loadu_ps(sj + t);
-      const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_fmsub_ps(x, vscale, m)));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_mask_storeu_epi16(pj + t, mk, (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    if (len2 > len) pj[len] = 0;
-    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+    inv[j] = probs_bf16(sj, len, len2, scale, P + j * len2);
   }
   acc.resize(G * D);
   ahead_buf.resize(nblk);
   for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream.at(nblk + b + 2);
-  for (int64_t j0 = 0; j0 < G; j0 += JC) {
-    const PvArgs args{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
-                      len2, nblk, j0, j0 == 0};
-    switch (std::min<int64_t>(JC, G - j0)) {
-      case 1: pv_pass<D, 1>(args); break;
-      case 2: if constexpr (JC >= 2) pv_pass<D, 2>(args); break;
-      case 3: if constexpr (JC >= 3) pv_pass<D, 3>(args); break;
-      case 4: if constexpr (JC >= 4) pv_pass<D, 4>(args); break;
-      case 5: if constexpr (JC >= 5) pv_pass<D, 5>(args); break;
-      case 6: if constexpr (JC >= 6) pv_pass<D, 6>(args); break;
-      case 7: if constexpr (JC >= 7) pv_pass<D, 7>(args); break;
-      default: if constexpr (JC >= 8) pv_pass<D, 8>(args); break;
-    }
-  }
+  pv_all_heads<D>(PvArgs{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
+                         len2, nblk, 0, true},
+                  G);
   for (int64_t j = 0; j < G; ++j) {
     uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
     for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_loadu_ps(acc.data() + j * D + c * 16));
@@ -481,10 +479,10 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
           }
 #endif
           switch (g.head_dim) {
-            case 32: attend_bf16<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
-            case 64: attend_bf16<64>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
-            case 128: attend_bf16<128>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
-            default: attend_bf16<256>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, row, next_k); break;
+            case 32: attend_bf16<32>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, ahead, next_k); break;
+            case 64: attend_bf16<64>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, ahead, next_k); break;
+            case 128: attend_bf16<128>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, ahead, next_k); break;
+            default: attend_bf16<256>(g, s, h, lens[s], q16, k16, v16, o16, table, fscale, scores, acc, ahead, next_k); break;
           }
 #endif
         } else {
