@@ -149,7 +149,7 @@ PREFILL_CASES = [  # block_size, heads, kv_heads, head_dim (the kernel's: 64 or 
 
 @needs_kernel
 @pytest.mark.skipif(
-    kernels is None or not kernels.prefill_attention_available(64, 16), reason="no AMX prefill kernel here"
+    kernels is None or not kernels.prefill_attention_available(64, 16), reason="no prefill kernel here"
 )
 @pytest.mark.parametrize("block_size,h,hkv,d", PREFILL_CASES)
 def test_prefill_kernel_equals_reference(block_size, h, hkv, d):

@@ -1,4 +1,5 @@
-// Causal prefill attention for the CPU with AMX tiles, all prefill chunks of a step in one call.
+// Causal prefill attention for the CPU (AMX tiles, or AVX512-BF16 without AMX), all prefill chunks
+// of a step in one call.
 //
 // q:            [T, num_heads, head_dim] bf16 (rows may be strided: a view of the fused qkv output)
 // out:          [T, num_heads, head_dim] bf16, contiguous; only the prefill rows are written
@@ -12,7 +13,9 @@
 // head): its keys are transposed and its values pair-interleaved once into the layouts AMX's B
 // operand wants, then every 16-query tile of each query head of the group is two tile products:
 // S = Q K^T (float), an exact row softmax in float (all keys of a row at once, no online rescaling),
-// and O = P V with P rounded to bf16 (as flash attention does on GPUs).
+// and O = P V with P rounded to bf16 (as flash attention does on GPUs). Without AMX (AMD Zen 4) the
+// same layouts feed vdpbf16ps: a K^T row of 16 keys times a broadcast query pair gives 16 scores,
+// a V pair row times a broadcast probability pair 16 output dims (SDPA there: ~50 GFLOP/s).
 #include "common.h"
 
 #include <algorithm>
@@ -20,10 +23,10 @@
 #include <cstring>
 #include <vector>
 
-#if PAGEDLLM_AMX
+#if PAGEDLLM_AVX512BF16
 namespace {
 
-constexpr int TILE = kTileRows;
+constexpr int TILE = 16;  // query rows per tile (an AMX tile's rows)
 
 
 struct Work {
@@ -37,16 +40,12 @@ struct Work {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// D = 64 or 128: q.k in 32-dim chunks (query tiles 0..D/32-1), P.V in 64-dim passes of four
-// 16-dim output tiles (4..7).
+// K^T and V of KV head h of one sequence (seq_len keys, read through its block table), once for
+// all query tiles and all G query heads; padding keys are zero. Sizes w.s and w.p for a tile.
 template <int D>
-void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint16_t* kc, const uint16_t* vc,
-                    int64_t blk_stride, int64_t head_stride, int64_t bs, const int64_t* table, int64_t h, int64_t G,
-                    int64_t num_heads, int64_t q0row, int64_t qlen, int64_t ctx, float scale, Work& w) {
-  static_assert(D == 64 || D == 128, "tiles are assigned for head_dim 64 or 128");
-  const int64_t seq_len = ctx + qlen;
+void head_layouts(const uint16_t* kc, const uint16_t* vc, int64_t blk_stride, int64_t head_stride, int64_t bs,
+                  const int64_t* table, int64_t h, int64_t seq_len, Work& w) {
   const int64_t kpad = round_up(seq_len, 32);
-  // K^T and V of this head, once for all query tiles and all G query heads.
   w.kt.assign(D / 2 * kpad, 0u);
   w.vv.assign(kpad * D, 0);
   for (int64_t t = 0; t < seq_len; ++t) {
@@ -59,6 +58,127 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
   }
   w.s.resize(TILE * kpad);
   w.p.resize(TILE * kpad);
+}
+
+// Row softmax of a tile's raw scores S [16][kpad] (rows >= `rows` are padding): row r sees keys
+// 0 .. first_pos + r; P = 0 elsewhere up to nk32 (the 32-key chunk boundary); inv = 1 / row sum.
+inline void softmax_rows(const float* S, int64_t kpad, int64_t rows, int64_t first_pos, int64_t nk32, float scale,
+                         uint16_t* P, float* inv) {
+  for (int64_t r = 0; r < TILE; ++r) {
+    uint16_t* pr = P + r * kpad;
+    if (r >= rows) {
+      std::fill(pr, pr + nk32, 0);
+      inv[r] = 0.f;
+      continue;
+    }
+    const float* sr = S + r * kpad;
+    const int64_t vis = first_pos + r + 1;
+    int64_t t = 0;
+    __m512 vm = _mm512_set1_ps(sr[0]);
+    for (; t + 16 <= vis; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sr + t));
+    float mx = _mm512_reduce_max_ps(vm);
+    for (; t < vis; ++t) mx = std::max(mx, sr[t]);
+    float sum = 0.f;
+    t = 0;
+    const __m512 vmx = _mm512_set1_ps(mx), vsc = _mm512_set1_ps(scale);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; t + 16 <= vis; t += 16) {
+      alignas(64) float e[16];
+      _mm512_store_ps(e, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vmx), vsc));
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) e[l] = std::exp(e[l]);
+      const __m512 ev = _mm512_load_ps(e);
+      vsum = _mm512_add_ps(vsum, ev);
+      store_float_as_bf16x16(pr + t, ev);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+    for (; t < vis; ++t) {
+      const float e = std::exp((sr[t] - mx) * scale);
+      sum += e;
+      pr[t] = float_to_bf16_bits(e);
+    }
+    std::fill(pr + vis, pr + nk32, 0);
+    inv[r] = 1.f / sum;
+  }
+}
+
+// Without AMX: the same item with vdpbf16ps. S: per 16-key group, each K^T pair row is loaded once
+// and used by all 16 query rows (16 accumulators, query pairs broadcast from memory). O: per key
+// pair, the V pair row (D/16 vectors) is used by kRows query rows at once.
+template <int D>
+void attend_prefill_avx512(const uint16_t* q, int64_t q_row, uint16_t* out, const uint16_t* kc, const uint16_t* vc,
+                           int64_t blk_stride, int64_t head_stride, int64_t bs, const int64_t* table, int64_t h,
+                           int64_t G, int64_t num_heads, int64_t q0row, int64_t qlen, int64_t ctx, float scale,
+                           Work& w) {
+  constexpr int V = D / 16, kRows = D == 64 ? 4 : 2;  // O accumulators: kRows x V = 16 registers
+  const int64_t seq_len = ctx + qlen, kpad = round_up(seq_len, 32);
+  head_layouts<D>(kc, vc, blk_stride, head_stride, bs, table, h, seq_len, w);
+  w.qpad.assign(TILE * D, 0);
+  for (int64_t j = 0; j < G; ++j) {
+    const int64_t head = h * G + j;
+    for (int64_t r0 = 0; r0 < qlen; r0 += TILE) {
+      const int64_t rows = std::min<int64_t>(TILE, qlen - r0);
+      const int64_t nk = std::min(seq_len, ctx + r0 + rows);  // keys the tile's last query sees
+      const int64_t nk32 = round_up(nk, 32);
+      const uint16_t* qt = q + (q0row + r0) * q_row + head * D;
+      int64_t qstride = q_row;
+      if (rows < TILE) {  // never read past the sequence's rows
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(w.qpad.data() + r * D, qt + r * q_row, D * 2);
+        std::fill(w.qpad.begin() + rows * D, w.qpad.end(), 0);
+        qt = w.qpad.data();
+        qstride = D;
+      }
+      float* S = w.s.data();
+      const uint32_t* KT = w.kt.data();
+      for (int64_t k0 = 0; k0 < nk; k0 += 16) {
+        __m512 acc[TILE];
+        for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+        for (int dp = 0; dp < D / 2; ++dp) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(KT + dp * kpad + k0);
+          for (int r = 0; r < TILE; ++r) {
+            const int32_t qpair = reinterpret_cast<const int32_t*>(qt + r * qstride)[dp];
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qpair), kv);
+          }
+        }
+        for (int r = 0; r < TILE; ++r) _mm512_storeu_ps(S + r * kpad + k0, acc[r]);
+      }
+      float inv[TILE];
+      softmax_rows(S, kpad, rows, ctx + r0, nk32, scale, w.p.data(), inv);
+      const uint16_t* P = w.p.data();
+      for (int64_t rb = 0; rb < rows; rb += kRows) {
+        __m512 acc[kRows][V];
+        for (int r = 0; r < kRows; ++r)
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+        for (int64_t kp2 = 0; kp2 < nk32 / 2; ++kp2) {
+          const uint16_t* vk = w.vv.data() + kp2 * D * 2;
+          __m512bh vv[V];
+          for (int v = 0; v < V; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vk + v * 32);
+          for (int r = 0; r < kRows; ++r) {  // rows past `rows` have P = 0 (they are not stored)
+            const int32_t ppair = reinterpret_cast<const int32_t*>(P + (rb + r) * kpad)[kp2];
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(ppair);
+            for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, vv[v]);
+          }
+        }
+        for (int r = 0; r < kRows && rb + r < rows; ++r) {
+          uint16_t* o = out + ((q0row + r0 + rb + r) * num_heads + head) * D;
+          const __m512 sc = _mm512_set1_ps(inv[rb + r]);
+          for (int v = 0; v < V; ++v) store_float_as_bf16x16(o + v * 16, _mm512_mul_ps(acc[r][v], sc));
+        }
+      }
+    }
+  }
+}
+
+#if PAGEDLLM_AMX
+// D = 64 or 128: q.k in 32-dim chunks (query tiles 0..D/32-1), P.V in 64-dim passes of four
+// 16-dim output tiles (4..7).
+template <int D>
+void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint16_t* kc, const uint16_t* vc,
+                    int64_t blk_stride, int64_t head_stride, int64_t bs, const int64_t* table, int64_t h, int64_t G,
+                    int64_t num_heads, int64_t q0row, int64_t qlen, int64_t ctx, float scale, Work& w) {
+  static_assert(D == 64 || D == 128, "tiles are assigned for head_dim 64 or 128");
+  const int64_t seq_len = ctx + qlen, kpad = round_up(seq_len, 32);
+  head_layouts<D>(kc, vc, blk_stride, head_stride, bs, table, h, seq_len, w);
   w.qpad.resize(TILE * D);
   for (int64_t j = 0; j < G; ++j) {
     const int64_t head = h * G + j;
@@ -97,44 +217,8 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
         }
         _tile_stored(7, S + kt * TILE, kpad * 4);
       }
-      // Row softmax over the visible keys; P = 0 elsewhere (up to the 32-key chunk boundary).
       float inv[TILE];
-      for (int64_t r = 0; r < TILE; ++r) {
-        uint16_t* pr = w.p.data() + r * kpad;
-        if (r >= rows) {
-          std::fill(pr, pr + nk32, 0);
-          inv[r] = 0.f;
-          continue;
-        }
-        const float* sr = S + r * kpad;
-        const int64_t vis = ctx + r0 + r + 1;
-        int64_t t = 0;
-        __m512 vm = _mm512_set1_ps(sr[0]);
-        for (; t + 16 <= vis; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sr + t));
-        float mx = _mm512_reduce_max_ps(vm);
-        for (; t < vis; ++t) mx = std::max(mx, sr[t]);
-        float sum = 0.f;
-        t = 0;
-        const __m512 vmx = _mm512_set1_ps(mx), vsc = _mm512_set1_ps(scale);
-        __m512 vsum = _mm512_setzero_ps();
-        for (; t + 16 <= vis; t += 16) {
-          alignas(64) float e[16];
-          _mm512_store_ps(e, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vmx), vsc));
-#pragma omp simd
-          for (int l = 0; l < 16; ++l) e[l] = std::exp(e[l]);
-          const __m512 ev = _mm512_load_ps(e);
-          vsum = _mm512_add_ps(vsum, ev);
-          store_float_as_bf16x16(pr + t, ev);
-        }
-        sum = _mm512_reduce_add_ps(vsum);
-        for (; t < vis; ++t) {
-          const float e = std::exp((sr[t] - mx) * scale);
-          sum += e;
-          pr[t] = float_to_bf16_bits(e);
-        }
-        std::fill(pr + vis, pr + nk32, 0);
-        inv[r] = 1.f / sum;
-      }
+      softmax_rows(S, kpad, rows, ctx + r0, nk32, scale, w.p.data(), inv);
       // O = P V in 64-dim passes: tile 0 = 32 keys of P, tile 1 = their V pairs for 16 dims,
       // tiles 4..7 = O for the pass's 4 x 16 dims.
       for (int dh = 0; dh < D; dh += 64) {
@@ -168,13 +252,14 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
   }
 }
 
+#endif  // PAGEDLLM_AMX
 
 }  // namespace
-#endif
+#endif  // PAGEDLLM_AVX512BF16
 
 bool prefill_attention_available(int64_t head_dim, int64_t block_size) {
-#if PAGEDLLM_AMX
-  return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && amx_permitted();
+#if PAGEDLLM_AVX512BF16
+  return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
 #else
   (void)head_dim, (void)block_size;
   return false;
@@ -193,7 +278,11 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   const int64_t num_heads = q.size(1), D = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(num_heads % hkv == 0 && k_cache.size(3) == D, "paged_prefill_attention: head geometry");
   TORCH_CHECK(prefill_attention_available(D, bs), "paged_prefill_attention: not available here");
+#if PAGEDLLM_AVX512BF16
+  bool amx = false;
 #if PAGEDLLM_AMX
+  amx = amx_permitted();
+#endif
   auto bt = block_tables.contiguous();
   auto qs = query_starts.contiguous(), ql = query_lens.contiguous(), cl = context_lens.contiguous();
   const int64_t nseq = qs.size(0), max_blocks = bt.size(1), G = num_heads / hkv;
@@ -216,7 +305,9 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
     return (qlp[i] + 16) * (clp[i] + qlp[i]) / 16 + 64;
   });
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
-    configure_tiles();
+#if PAGEDLLM_AMX
+    if (amx) configure_tiles();
+#endif
     Work w;
     for (int64_t tid = tb; tid < te; ++tid)
       for (int64_t it = bounds[tid]; it < bounds[tid + 1]; ++it) {
@@ -224,14 +315,21 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
         if (qlp[i] == 0) continue;
         const int64_t* table = btp + i * max_blocks;
         const float sc = static_cast<float>(scale);
-        if (D == 64)
-          attend_prefill<64>(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, table, h, G, num_heads, qsp[i],
-                             qlp[i], clp[i], sc, w);
-        else
-          attend_prefill<128>(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, table, h, G, num_heads, qsp[i],
-                              qlp[i], clp[i], sc, w);
+        auto run = [&](auto attend) {
+          attend(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, table, h, G, num_heads, qsp[i], qlp[i],
+                 clp[i], sc, w);
+        };
+#if PAGEDLLM_AMX
+        if (amx) {
+          D == 64 ? run(attend_prefill<64>) : run(attend_prefill<128>);
+          continue;
+        }
+#endif
+        D == 64 ? run(attend_prefill_avx512<64>) : run(attend_prefill_avx512<128>);
       }
-    _tile_release();
+#if PAGEDLLM_AMX
+    if (amx) _tile_release();
+#endif
   });
 #endif
 }
