@@ -9,9 +9,11 @@ translation unit (a full build of every target would take minutes).
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -58,3 +60,19 @@ def test_kernels_compile_for_each_cpu_generation(march, tmp_path):
     if result.returncode != 0 and unknown_target:
         pytest.skip(f"this compiler does not know -march={march}")
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_paths_without_amx_also_run_on_amx_machines():
+    """On a CPU with AMX the decode and prefill attention kernels and the GEMMs take their AMX
+    paths, so the AVX512-BF16 paths that CPUs without AMX run (AMD Zen 4) would go untested
+    there: run the kernel-vs-reference tests again in a process where PAGEDLLM_NO_AMX=1."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.amx_gemm_available():
+        pytest.skip("no AMX here: the other tests already run the paths without AMX")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PAGEDLLM_NO_AMX": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(tests / "test_attention.py"), str(tests / "test_cpu_kernels.py")]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tests.parent)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -47,9 +48,11 @@ inline const TileConfig kTiles = [] {
 // Per thread, before the first tile instruction; _tile_release() after the last.
 inline void configure_tiles() { _tile_loadconfig(&kTiles); }
 
-// Linux hands out the tile register state only on request, once per process.
+// Linux hands out the tile register state only on request, once per process. PAGEDLLM_NO_AMX=1
+// declines it, so the AVX512-BF16 paths (those of CPUs without AMX) run and are tested here too.
 inline bool amx_permitted() {
   static const bool ok = [] {
+    if (const char* off = std::getenv("PAGEDLLM_NO_AMX"); off != nullptr && off[0] == '1' && off[1] == 0) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
