@@ -25,9 +25,16 @@
 
 namespace {
 
-// Constants and the epilogue kinds are also needed by the operand checks of a build without AMX.
+// Also used by the operand checks, which a build without AMX compiles too.
 constexpr int64_t kStrip = 16;        // output columns of one B tile
 constexpr int64_t kKChunk = 32;       // K of one tile product
+enum class Epilogue { kNone, kSiluMul, kArgmax };
+
+}  // namespace
+
+#if PAGEDLLM_AMX
+namespace {
+
 constexpr int64_t kTileElems = 512;   // bf16 elements of one B tile (16 x 32)
 constexpr int64_t kRowChunk = 256;    // rows of x per pass over the weights (x chunk <= 768 KB)
 // With several row blocks per strip pair, K in blocks of this many k-chunks: the pair's 16 KB slice
@@ -35,13 +42,6 @@ constexpr int64_t kRowChunk = 256;    // rows of x per pass over the weights (x 
 constexpr int64_t kKBlock = 8;
 constexpr int64_t kMaxRowBlocks = kRowChunk / 32;
 constexpr int64_t kPrefetchMinBlocks = 5;  // row blocks of 32 from which the next strip pair is prefetched
-
-enum class Epilogue { kNone, kSiluMul, kArgmax };
-
-}  // namespace
-
-#if PAGEDLLM_AMX
-namespace {
 
 // Greedy decoding's epilogue: per row, the largest logit (rounded to bf16, as the logits tensor
 // would hold it) and its first column, over the columns one thread has seen so far.

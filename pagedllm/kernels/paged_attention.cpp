@@ -198,27 +198,6 @@ void pv_pass(const PvArgs& x) {
   }
 }
 
-// Softmax numerators of one query head's raw scores sj[0 .. len) (scaled here), rounded to bf16
-// into pj (zero-padded to an even length for the key pairs of pv_pass); returns 1 / their sum.
-inline float probs_bf16(const float* sj, int64_t len, int64_t len2, float scale, uint16_t* pj) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 mx = _mm512_set1_ps(-3.0e38f);
-  for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
-    mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_loadu_ps(sj + t));
-  }
-  const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), vscale);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 mk = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, sj + t), vscale, m)));
-    sum = _mm512_add_ps(sum, e);
-    _mm256_mask_storeu_epi16(pj + t, mk, (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  if (len2 > len) pj[len] = 0;
-  return 1.f / _mm512_reduce_add_ps(sum);
-}
-
 // p.v of all G query heads, as many heads per pass over V as keep their accumulators in registers.
 template <int D>
 void pv_all_heads(PvArgs args, int64_t G) {

@@ -19,7 +19,6 @@
 #include "common.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -71,34 +70,9 @@ inline void softmax_rows(const float* S, int64_t kpad, int64_t rows, int64_t fir
       inv[r] = 0.f;
       continue;
     }
-    const float* sr = S + r * kpad;
     const int64_t vis = first_pos + r + 1;
-    int64_t t = 0;
-    __m512 vm = _mm512_set1_ps(sr[0]);
-    for (; t + 16 <= vis; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sr + t));
-    float mx = _mm512_reduce_max_ps(vm);
-    for (; t < vis; ++t) mx = std::max(mx, sr[t]);
-    float sum = 0.f;
-    t = 0;
-    const __m512 vmx = _mm512_set1_ps(mx), vsc = _mm512_set1_ps(scale);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t + 16 <= vis; t += 16) {
-      alignas(64) float e[16];
-      _mm512_store_ps(e, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vmx), vsc));
-#pragma omp simd
-      for (int l = 0; l < 16; ++l) e[l] = std::exp(e[l]);
-      const __m512 ev = _mm512_load_ps(e);
-      vsum = _mm512_add_ps(vsum, ev);
-      store_float_as_bf16x16(pr + t, ev);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-    for (; t < vis; ++t) {
-      const float e = std::exp((sr[t] - mx) * scale);
-      sum += e;
-      pr[t] = float_to_bf16_bits(e);
-    }
+    inv[r] = probs_bf16(S + r * kpad, vis, vis, scale, pr);
     std::fill(pr + vis, pr + nk32, 0);
-    inv[r] = 1.f / sum;
   }
 }
 
