@@ -75,22 +75,6 @@ def test_add_rms_norm_updates_residual_and_normalizes():
     torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("bias", [False, True])
-def test_small_gemm_matches_linear(m, bias):
-    if not kernels.small_gemm_available():
-        pytest.skip("built without AVX512-BF16")
-    g = torch.Generator().manual_seed(m)
-    n, k = 203, 96  # n not a multiple of the 4-row tile
-    x = torch.randn(m, k, generator=g).to(BF16)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
-    b = torch.randn(n, generator=g).to(BF16) if bias else None
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    out = kernels.small_gemm(x, w, b)
-    assert out.shape == (m, n) and out.dtype == BF16
-    torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=8e-3)
-
-
 def test_decode_kernel_reads_strided_queries():
     g = torch.Generator().manual_seed(3)
     h, hkv, d, bs = 9, 3, 64, 16
@@ -132,7 +116,7 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engi
         assert (llm.llm_engine.model.kernels is not None) == (backend == "auto")
         if backend == "auto" and family == "mistral" and kernels.prefill_attention_available(64, 16):
             assert llm.llm_engine.runner.prefill_kernel is not None
-        if backend == "auto" and kernels.amx_gemm_available():  # the AMX GEMMs and the fused SiLU epilogue ran
+        if backend == "auto" and kernels.packed_gemm_available():  # the packed GEMMs and the fused SiLU epilogue ran
             assert llm.llm_engine.model.layers[0].mlp.gate_up_proj.fused_silu_mul
         outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     compared = 0
@@ -179,15 +163,19 @@ def test_greedy_sampler_uses_the_kernel_and_agrees():
     assert fast == Sampler()(logits, reqs).token_ids == logits.float().argmax(-1).tolist()
 
 
-amx = pytest.mark.skipif(kernels is None or not kernels.amx_gemm_available(), reason="no AMX here")
+packed = pytest.mark.skipif(kernels is None or not kernels.packed_gemm_available(), reason="built without AVX512-BF16")
 
 
-@amx
-# 1-6 rows: dot products; 7 up: tiles, partial row tiles, more than one 256-row chunk
+@packed
+# 1-6 rows: one register block of dot products; with AMX, 7 up: tiles, partial row tiles; without,
+# several 6-row blocks and a partial one; both: more than one 256-row chunk
 @pytest.mark.parametrize("m", [1, 3, 6, 7, 16, 17, 32, 33, 200, 300])
-# k 576: more than one 8-chunk K block when there are several row blocks
-@pytest.mark.parametrize("n,k,bias", [(64, 32, False), (96, 160, True), (1024, 96, False), (128, 576, True)])
-def test_amx_gemm_matches_linear(m, n, k, bias):
+# k 576: more than one 8-chunk K block when there are several row tiles (AMX); n 96 and 224: a
+# thread's share of strips ends in a group of 2 instead of 4
+@pytest.mark.parametrize(
+    "n,k,bias", [(64, 32, False), (96, 160, True), (1024, 96, False), (128, 576, True), (224, 64, False)]
+)
+def test_packed_gemm_matches_linear(m, n, k, bias):
     from pagedllm.models.cpu_linear import tile_order
 
     g = torch.Generator().manual_seed(m * n + k)
@@ -195,30 +183,30 @@ def test_amx_gemm_matches_linear(m, n, k, bias):
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
     b = torch.randn(n, generator=g).to(BF16) if bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    out = kernels.amx_gemm(x, tile_order(w), b, "none")
+    out = kernels.packed_gemm(x, tile_order(w), b, "none")
     assert out.shape == (m, n) and out.dtype == BF16
     torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=8e-3)
     # rows are independent: the same row gives the same bits whatever else is in the batch
-    other = x[-7:] if m >= 7 else x[-1:]  # a different batch served the same way (tiles / dot products)
-    assert torch.equal(kernels.amx_gemm(other.contiguous(), tile_order(w), b, "none")[-1], out[-1])
+    other = x[-7:] if m >= 7 else x[-1:]  # a different batch served the same way (tiles with AMX)
+    assert torch.equal(kernels.packed_gemm(other.contiguous(), tile_order(w), b, "none")[-1], out[-1])
 
 
-@amx
+@packed
 @pytest.mark.parametrize("m", [3, 40])
-def test_amx_gemm_silu_mul_epilogue_equals_the_unfused_kernels(m):
+def test_packed_gemm_silu_mul_epilogue_equals_the_unfused_kernels(m):
     from pagedllm.models.cpu_linear import interleave_gate_up, tile_order
 
     g = torch.Generator().manual_seed(m)
     inter, k = 64, 96
     x = torch.randn(m, k, generator=g).to(BF16)
     w = (torch.randn(2 * inter, k, generator=g) * 0.2).to(BF16)  # [gate; up]
-    unfused = kernels.silu_and_mul(kernels.amx_gemm(x, tile_order(w), None, "none"))
-    fused = kernels.amx_gemm(x, tile_order(interleave_gate_up(w)), None, "silu_mul")
+    unfused = kernels.silu_and_mul(kernels.packed_gemm(x, tile_order(w), None, "none"))
+    fused = kernels.packed_gemm(x, tile_order(interleave_gate_up(w)), None, "silu_mul")
     assert fused.shape == (m, inter) and torch.equal(fused, unfused)
 
 
-@amx
-@pytest.mark.parametrize("m", [2, 9])  # small_gemm rows and AMX rows
+@packed
+@pytest.mark.parametrize("m", [2, 9])  # one register block; AMX tiles or two register blocks
 def test_packed_gate_up_layer_keeps_plain_output_order(m):
     from pagedllm.models.cpu_linear import PackedLinear
 
@@ -235,10 +223,10 @@ def test_packed_gate_up_layer_keeps_plain_output_order(m):
     torch.testing.assert_close(layer.silu_and_mul(x).float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
 
 
-@amx
-@pytest.mark.parametrize("m", [1, 6, 7, 16, 33, 200])  # the vector path's rows, then tiles (one or more chunks)
-def test_amx_gemm_argmax_equals_argmax_of_the_logits(m):
-    """The greedy head's fused argmax picks what argmax_rows picks from amx_gemm's bf16 logits,
+@packed
+@pytest.mark.parametrize("m", [1, 6, 7, 16, 33, 200])  # one register block, then tiles or several blocks
+def test_packed_gemm_argmax_equals_argmax_of_the_logits(m):
+    """The greedy head's fused argmax picks what argmax_rows picks from packed_gemm's bf16 logits,
     first maximum on ties: within a strip pair, across strip pairs and across the threads' halves."""
     from pagedllm.models.cpu_linear import tile_order
 
@@ -251,14 +239,14 @@ def test_amx_gemm_argmax_equals_argmax_of_the_logits(m):
         if r < m:
             w[list(cols)] = (x[r].float() * 4).to(BF16)
     packed = tile_order(w)
-    expected = kernels.argmax_rows(kernels.amx_gemm(x, packed, None, "none"))
-    assert torch.equal(kernels.amx_gemm_argmax(x, packed), expected)
+    expected = kernels.argmax_rows(kernels.packed_gemm(x, packed, None, "none"))
+    assert torch.equal(kernels.packed_gemm_argmax(x, packed), expected)
     for r, cols in enumerate([(5, 17), (40, 3000), (2047, 2048, 4095)]):
         if r < m:
             assert expected[r] == cols[0]
 
 
-@amx
+@packed
 def test_greedy_steps_skip_the_logits_and_pick_the_same_tokens(tiny_model_dirs, monkeypatch):
     """An all-greedy step hands the head's argmax straight to the scheduler (no logits): same
     tokens as the logits path; a step that wants logprobs still computes the logits."""

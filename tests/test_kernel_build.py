@@ -61,7 +61,7 @@ def test_paths_without_amx_also_run_on_amx_machines():
     paths, so the AVX512-BF16 paths that CPUs without AMX run (AMD Zen 4) would go untested
     there: run the kernel-vs-reference tests again in a process where PAGEDLLM_NO_AMX=1."""
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.amx_gemm_available():
+    if kernels is None or not kernels.amx_available():
         pytest.skip("no AMX here: the other tests already run the paths without AMX")
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PAGEDLLM_NO_AMX": "1"}

@@ -13,12 +13,11 @@ bool prefill_attention_available(int64_t head_dim, int64_t block_size);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
                              torch::Tensor context_lens, double scale);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-bool small_gemm_available();
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                       const std::string& epilogue);
-bool amx_gemm_available();
-torch::Tensor amx_gemm_argmax(torch::Tensor x, torch::Tensor packed);
+torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          const std::string& epilogue);
+bool packed_gemm_available();
+bool amx_available();
+torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -32,10 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether paged_prefill_attention runs here for this head_dim and block_size");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each row of bfloat16 logits");
-  m.def("small_gemm", &small_gemm, "x @ W^T (+ bias) for a few rows of x (AVX512-BF16)");
-  m.def("amx_gemm", &amx_gemm, "x @ W^T (+ bias, or silu(gate) * up) with W packed in AMX B-tile order");
-  m.def("amx_gemm_argmax", &amx_gemm_argmax,
-        "greedy LM head: per row, the first argmax of bf16(x @ W^T) with W packed as for amx_gemm (no logits written)");
-  m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm runs here (AMX built and permitted)");
-  m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX512-BF16)");
+  m.def("packed_gemm", &packed_gemm,
+        "x @ W^T (+ bias, or silu(gate) * up) with W packed in AMX B-tile order (AMX tiles or AVX512-BF16)");
+  m.def("packed_gemm_argmax", &packed_gemm_argmax,
+        "greedy LM head: per row, the first argmax of bf16(x @ W^T) with W packed as for packed_gemm (no logits written)");
+  m.def("packed_gemm_available", &packed_gemm_available, "whether packed_gemm was built (AVX512-BF16)");
+  m.def("amx_available", &amx_available, "whether the kernels use AMX tiles here (AMX built and permitted)");
 }

@@ -4,14 +4,13 @@ A plain bf16 ``F.linear`` on the CPU lets oneDNN reorder the weight into its blo
 every call: for a 135M model that is a full extra pass over the weights each step. So each layer
 keeps its weight in the order its kernel reads it:
 
-- with the compiled kernels on a CPU with AMX: AMX B-tile order (``tile_weight``), the one copy
-  ``amx_gemm`` runs for every row count (tiles from 7 rows, AVX512-BF16 dot products below). It
-  sits on transparent huge pages (``place_on_huge_pages``): a decode step streams every weight
-  once, and with 4 KiB pages the stream stalls on TLB misses (SmolLM2-135M's 120 layer GEMMs at 16
-  rows: 20 -> 12 ms, small_gemm at 1 row: 23 -> 10 ms);
+- with the compiled kernels (AVX512-BF16): AMX B-tile order (``tile_weight``), the one copy
+  ``packed_gemm`` runs for every row count (AMX tiles from 7 rows where the CPU has them,
+  AVX512-BF16 dot products otherwise). It sits on transparent huge pages (``place_on_huge_pages``):
+  a decode step streams every weight once, and with 4 KiB pages the stream stalls on TLB misses
+  (SmolLM2-135M's 120 layer GEMMs at 16 rows: 20 -> 12 ms, at 1 row: 23 -> 10 ms);
 - otherwise oneDNN's blocked layout (``packed_weight``), what torch's inductor does for frozen CPU
-  models, plus the plain weight for ``small_gemm`` at up to 6 rows (on huge pages). Where the
-  packed ops are missing or disagree, the layer stays a plain nn.Linear.
+  models. Where the packed ops are missing or disagree, the layer stays a plain nn.Linear.
 
 The fused gate/up projection of the MLP can also apply SiLU-and-multiply in the GEMM's epilogue
 (``silu_and_mul``): its tile weight interleaves gate and up strips so each output block holds both.
@@ -29,14 +28,12 @@ from pagedllm.host_memory import copy_to_huge_pages
 logger = logging.getLogger(__name__)
 
 
-# Without AMX: up to this many rows the streaming small-M kernel (small_gemm.cpp) beats oneDNN.
-SMALL_GEMM_MAX_ROWS = 6
 _AMX_STRIP, _AMX_K = 16, 32  # output columns per B tile, K per tile product
 
 
 def tile_order(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> [N/16, K/32, 16, 32]: each 16-column strip of W^T as consecutive AMX B tiles
-    (16 rows of K pairs x 16 columns x 2), the layout ``amx_gemm`` streams."""
+    (16 rows of K pairs x 16 columns x 2), the layout ``packed_gemm`` streams."""
     n, k = w.shape
     return (
         w.view(n // _AMX_STRIP, _AMX_STRIP, k // _AMX_K, _AMX_K // 2, 2)
@@ -63,16 +60,15 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.kernels = kernels
         n, k = w.shape
-        self.use_amx = (
+        self.use_tiles = (
             kernels is not None
-            and kernels.amx_gemm_available()
+            and kernels.packed_gemm_available()
             and n % (2 * _AMX_STRIP) == 0
             and k % _AMX_K == 0
             and not (fuse_silu_mul and (n % (4 * _AMX_STRIP) or self.bias is not None))
         )
-        self.fused_silu_mul = fuse_silu_mul and self.use_amx
-        if self.use_amx:  # amx_gemm serves every row count from this one copy
-            self.small_gemm = None
+        self.fused_silu_mul = fuse_silu_mul and self.use_tiles
+        if self.use_tiles:  # packed_gemm serves every row count from this one copy
             if self.bias is not None:  # added in float by the kernel: convert once, not per call
                 self.bias = self.bias.float()
             self.register_buffer(
@@ -80,40 +76,32 @@ class PackedLinear(nn.Module):
             )
         else:
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w), persistent=False)
-            # Decode steps of a few rows: the streaming small-M kernel on the plain row-major weight,
-            # which then stays too (2x weight memory).
-            usable = kernels is not None and kernels.small_gemm_available() and k % 32 == 0
-            self.small_gemm = kernels.small_gemm if usable else None
-        self.weight = w if self.small_gemm is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_amx:
+        if self.use_tiles:
             t = x.reshape(-1, self.in_features).contiguous()
-            y = self.kernels.amx_gemm(t, self.tile_weight, self.bias, "none")
+            y = self.kernels.packed_gemm(t, self.tile_weight, self.bias, "none")
             if self.fused_silu_mul:  # interleaved [gate 0, up 0, gate 1, ...] strips: columns back in order
                 y = y.view(t.shape[0], -1, 2, _AMX_STRIP).transpose(1, 2)
             return y.reshape(*x.shape[:-1], self.out_features)
-        if self.small_gemm is not None and x.dim() == 2 and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
-            return self.small_gemm(x.contiguous(), self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Index of the first maximum of each row of this layer's bf16 output for x [T, K], the
         logits never written (greedy decoding's LM head); None where the kernel does not apply."""
-        if not self.use_amx or self.fused_silu_mul or self.bias is not None:
+        if not self.use_tiles or self.fused_silu_mul or self.bias is not None:
             return None
-        return self.kernels.amx_gemm_argmax(x.contiguous(), self.tile_weight)
+        return self.kernels.packed_gemm_argmax(x.contiguous(), self.tile_weight)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this fused [gate; up] projection of x [T, K] -> [T, I]."""
         if self.fused_silu_mul:
-            return self.kernels.amx_gemm(x.contiguous(), self.tile_weight, None, "silu_mul")
+            return self.kernels.packed_gemm(x.contiguous(), self.tile_weight, None, "silu_mul")
         return self.kernels.silu_and_mul(self.forward(x))
 
-    def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """(attribute, tensor) of every weight copy a step streams (oneDNN's opaque one cannot move)."""
-        names = ("tile_weight",) if self.use_amx else ("weight",)
-        return [(n, getattr(self, n)) for n in names if getattr(self, n, None) is not None]
+    def streamed_weight(self) -> torch.Tensor | None:
+        """The weight copy a step streams, if it can move (oneDNN's opaque one cannot)."""
+        return self.tile_weight if self.use_tiles else None
 
 
 def _packing_works() -> bool:
@@ -150,13 +138,10 @@ def pack_linears(model: nn.Module, kernels=None, fuse_silu_mul_names: tuple[str,
 
 def place_on_huge_pages(layers: list[PackedLinear]) -> bool:
     """Moves the layers' streamed weight copies into one huge-page buffer; False if not possible."""
-    slots = [(layer, name, t) for layer in layers for name, t in layer.weight_buffers()]
-    moved = copy_to_huge_pages([t for _, _, t in slots])
+    movable = [layer for layer in layers if layer.streamed_weight() is not None]
+    moved = copy_to_huge_pages([layer.streamed_weight() for layer in movable])
     if moved is None:
         return False
-    for (layer, name, _), t in zip(slots, moved, strict=True):
-        if name in layer._buffers:
-            layer._buffers[name] = t
-        else:
-            setattr(layer, name, t)
+    for layer, t in zip(movable, moved, strict=True):
+        layer._buffers["tile_weight"] = t
     return True

@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self, kernels=None) -> int:
         """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers
-        packed. ``kernels``: the compiled CPU kernels (AMX / small-M GEMMs), or None for oneDNN."""
+        packed. ``kernels``: the compiled CPU kernels (packed_gemm), or None for oneDNN."""
         from pagedllm.models.cpu_linear import PackedLinear, pack_linears, place_on_huge_pages
 
         packed = pack_linears(self.layers, kernels, fuse_silu_mul_names=("gate_up_proj",))
@@ -253,9 +253,7 @@ class LlamaForCausalLM(nn.Module):
             head.weight = nn.Parameter(w, requires_grad=False)
             self.packed_head = PackedLinear(head, kernels)
             packed.append(self.packed_head)
-            if place_on_huge_pages(packed) and self.tie_word_embeddings and self.packed_head.weight is not None:
-                # the head's plain copy serves the embedding lookup too: one copy, not two
-                self.embed_tokens.weight = nn.Parameter(self.packed_head.weight, requires_grad=False)
+            place_on_huge_pages(packed)
         return len(packed)
 
     # ---- weights -------------------------------------------------------------------------
