@@ -119,7 +119,9 @@ KERNEL_CASES = CASES + [(1, 9, 3, 64), (8, 10, 2, 64), (16, 8, 1, 128), (32, 6, 
 @pytest.mark.parametrize("block_size,h,hkv,d", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_reference(block_size, h, hkv, d, dtype):
-    decode_lens = [1, 2, 16, 17, 100, 300]  # ragged, block boundaries included
+    # ragged, block boundaries included; enough sequences that the CPU kernel also takes its
+    # whole-sequence work items where it has them
+    decode_lens = [1, 2, 16, 17, 100, 300, 40, 64, 129, 250, 33, 77]
     prefills = [(0, 7), (20, 5)]  # mixed with prefill chunks
     q, k, v, kc, vc, meta, _ = build_batch(block_size, h, hkv, d, 1, decode_lens, prefills, dtype)
     scale = 1 / math.sqrt(d)

@@ -90,6 +90,30 @@ def test_decode_kernel_reads_strided_queries():
     assert torch.equal(out_strided, out_contig)
 
 
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 1, 128), (6, 1, 32)])
+def test_decode_kernel_output_does_not_depend_on_the_batch(h, hkv, d):
+    """A sequence's bf16 attention output is the same bits in a batch of many (a whole sequence per
+    work item where the group's accumulators fit in registers) as alone (a kv head per work item)."""
+    g = torch.Generator().manual_seed(h * d)
+    bs, lens = 16, [300, 17, 1, 64, 250, 33, 100, 299, 180, 5, 128, 77]
+    per_seq = [(n + bs - 1) // bs for n in lens]
+    perm = torch.randperm(sum(per_seq), generator=g)  # scattered blocks
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = perm[start : start + n]
+        start += n
+    k_cache = torch.randn(sum(per_seq), hkv, bs, d, generator=g).to(BF16)
+    v_cache = torch.randn(sum(per_seq), hkv, bs, d, generator=g).to(BF16)
+    q = torch.randn(len(lens), h, d, generator=g).to(BF16)
+    batched = torch.empty_like(q)
+    kernels.paged_decode_attention(batched, q, k_cache, v_cache, tables, torch.tensor(lens), d**-0.5)
+    for i, n in enumerate(lens):
+        alone, one = torch.empty_like(q[i : i + 1]), slice(i, i + 1)
+        kernels.paged_decode_attention(alone, q[one], k_cache, v_cache, tables[one], torch.tensor([n]), d**-0.5)
+        assert torch.equal(alone, batched[one]), f"sequence {i} (length {n})"
+
+
 @pytest.mark.parametrize(
     "family,engine_args",
     [
