@@ -156,9 +156,42 @@ struct PvArgs {
 
 // p.v for query heads j0 .. j0+J-1: two keys per vdpbf16ps, the pair of V rows interleaved in
 // registers (unpacklo/hi of 16-bit words), J x D/16 float accumulators in registers.
+// One step of p.v: keys (t, t + 1) of rows r0 (n_left >= 1 rows from r0 on) for J query heads whose
+// probabilities start at probs (row stride len2): two keys per vdpbf16ps, the pair of V rows
+// interleaved in registers (unpacklo/hi of 16-bit words), into a[J][D/16].
+template <int D, int J>
+inline void pv_step(__m512 (&a)[J][D / 16], const uint16_t* r0, int64_t n_left, const uint16_t* probs, int64_t len2,
+                    int64_t t) {
+  constexpr int C = D / 32, V = D / 16;
+  __m512i w[V];
+  for (int c = 0; c < C; ++c) {
+    const __m512i x0 = _mm512_loadu_si512(r0 + c * 32);
+    // the key after the last is not read: its p is 0 but its row may hold anything
+    const __m512i x1 = n_left > 1 ? _mm512_loadu_si512(r0 + D + c * 32) : _mm512_setzero_si512();
+    w[2 * c] = _mm512_unpacklo_epi16(x0, x1);
+    w[2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
+  }
+  for (int j = 0; j < J; ++j) {
+    const __m512bh pp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(probs + j * len2 + t));
+    for (int v = 0; v < V; ++v) a[j][v] = _mm512_dpbf16_ps(a[j][v], pp, (__m512bh)w[v]);
+  }
+}
+
+// pv_step's accumulator lanes (D/16 vectors of 16 floats) times `scale`, into head dims in order:
+// lane 4k + e of accumulator (c, half) holds head dim 32c + 8k + 4 half + e.
+template <int D>
+inline void lanes_to_dims(const float* lanes, float scale, float* dims) {
+  for (int v = 0; v < D / 16; ++v) {
+    const int c = v / 2, half = v % 2;
+    for (int k = 0; k < 4; ++k)
+      for (int e = 0; e < 4; ++e) dims[32 * c + 8 * k + 4 * half + e] = lanes[v * 16 + 4 * k + e] * scale;
+  }
+}
+
+// p.v for query heads j0 .. j0+J-1 over all V blocks, J x D/16 float accumulators in registers.
 template <int D, int J>
 void pv_pass(const PvArgs& x) {
-  constexpr int C = D / 32, V = D / 16;
+  constexpr int V = D / 16;
   __m512 a[J][V];
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < V; ++v) a[j][v] = _mm512_setzero_ps();
@@ -168,33 +201,14 @@ void pv_pass(const PvArgs& x) {
     const uint16_t* ahead = x.prefetch ? x.ahead[b] : nullptr;
     for (int64_t i = 0; i < n; i += 2) {
       if (ahead != nullptr) prefetch_head_rows(ahead + i * D, 2, D);
-      const uint16_t* r0 = vb + i * D;
-      __m512i w[V];
-      for (int c = 0; c < C; ++c) {
-        const __m512i x0 = _mm512_loadu_si512(r0 + c * 32);
-        // the key after the last is not read: its p is 0 but its row may hold anything
-        const __m512i x1 = i + 1 < n ? _mm512_loadu_si512(r0 + D + c * 32) : _mm512_setzero_si512();
-        w[2 * c] = _mm512_unpacklo_epi16(x0, x1);
-        w[2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
-      }
-      const int64_t t = b * x.bs + i;
-      for (int j = 0; j < J; ++j) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.probs + (x.j0 + j) * x.len2 + t));
-        for (int v = 0; v < V; ++v) a[j][v] = _mm512_dpbf16_ps(a[j][v], pp, (__m512bh)w[v]);
-      }
+      pv_step<D, J>(a, vb + i * D, n - i, x.probs + x.j0 * x.len2, x.len2, b * x.bs + i);
     }
     if (ahead != nullptr && n < x.bs) prefetch_head_rows(ahead + n * D, x.bs - n, D);
   }
-  // Lane 4k + e of accumulator (c, half) holds head dim 32c + 8k + 4 half + e.
   for (int j = 0; j < J; ++j) {
-    float* aj = x.acc + (x.j0 + j) * D;
-    alignas(64) float tmp[16];
-    for (int v = 0; v < V; ++v) {
-      _mm512_store_ps(tmp, _mm512_mul_ps(a[j][v], _mm512_set1_ps(x.inv[x.j0 + j])));
-      const int c = v / 2, half = v % 2;
-      for (int k = 0; k < 4; ++k)
-        for (int e = 0; e < 4; ++e) aj[32 * c + 8 * k + 4 * half + e] = tmp[4 * k + e];
-    }
+    alignas(64) float lanes[D];
+    for (int v = 0; v < V; ++v) _mm512_store_ps(lanes + v * 16, a[j][v]);
+    lanes_to_dims<D>(lanes, x.inv[x.j0 + j], x.acc + (x.j0 + j) * D);
   }
 }
 
@@ -318,29 +332,18 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   }
 }
 
-// p.v of rows 0 .. n-1 of one block of one kv head for its J query heads, the accumulators (pv_pass's
+// p.v of rows 0 .. n-1 of one block of one kv head for its J query heads, the accumulators (pv_step's
 // lane order) kept in acc [J][D] between blocks; rows of `ahead` (may be null) requested meanwhile.
 template <int D, int J>
 inline void pv_block(const uint16_t* vb, int64_t n, const uint16_t* probs, int64_t len2, float* acc,
                      const uint16_t* ahead) {
-  constexpr int C = D / 32, V = D / 16;
+  constexpr int V = D / 16;
   __m512 a[J][V];
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < V; ++v) a[j][v] = _mm512_loadu_ps(acc + (j * V + v) * 16);
   for (int64_t i = 0; i < n; i += 2) {
     if (ahead != nullptr) prefetch_head_rows(ahead + i * D, 2, D);
-    const uint16_t* r0 = vb + i * D;
-    __m512i w[V];
-    for (int c = 0; c < C; ++c) {
-      const __m512i x0 = _mm512_loadu_si512(r0 + c * 32);
-      const __m512i x1 = i + 1 < n ? _mm512_loadu_si512(r0 + D + c * 32) : _mm512_setzero_si512();
-      w[2 * c] = _mm512_unpacklo_epi16(x0, x1);
-      w[2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
-    }
-    for (int j = 0; j < J; ++j) {
-      const __m512bh pp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(probs + j * len2 + i));
-      for (int v = 0; v < V; ++v) a[j][v] = _mm512_dpbf16_ps(a[j][v], pp, (__m512bh)w[v]);
-    }
+    pv_step<D, J>(a, vb + i * D, n - i, probs, len2, i);
   }
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (j * V + v) * 16, a[j][v]);
@@ -404,15 +407,9 @@ void attend_seq_bf16(const Geometry& g, int64_t s, int64_t len, const uint16_t* 
       if (ah != nullptr && n < bs) prefetch_head_rows(ah + (n + 1) / 2 * 2 * D, bs - (n + 1) / 2 * 2, D);
     }
   }
-  // Lane 4k + e of accumulator (c, half) holds head dim 32c + 8k + 4 half + e.
   for (int64_t r = 0; r < NH; ++r) {
-    const float* ar = acc.data() + r * D;
     alignas(64) float o[D];
-    for (int v = 0; v < V; ++v) {
-      const int c = v / 2, half = v % 2;
-      for (int k = 0; k < 4; ++k)
-        for (int e = 0; e < 4; ++e) o[32 * c + 8 * k + 4 * half + e] = ar[v * 16 + 4 * k + e] * inv[r];
-    }
+    lanes_to_dims<D>(acc.data() + r * D, inv[r], o);
     uint16_t* out = op + (s * NH + r) * D;
     for (int v = 0; v < V; ++v) store_float_as_bf16x16(out + v * 16, _mm512_load_ps(o + v * 16));
   }
