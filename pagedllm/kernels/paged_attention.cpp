@@ -233,6 +233,27 @@ void pv_all_heads(PvArgs args, int64_t G) {
   }
 }
 
+// p.v of one (sequence, kv head) item's G query heads from their bf16 probabilities P [G][len2] and
+// 1 / sums inv, then the output rows; both per-head paths end with it. V blocks 0 and 1 were asked
+// for during the last K blocks; V block b asks for block nblk + b + 2 of the stream, so the next
+// item's first K block comes during this item's last V blocks (cold otherwise: +2% with huge pages).
+template <int D>
+void pv_and_store(const Geometry& g, const BlockStream& stream, int64_t s, int64_t len, int64_t len2,
+                  const uint16_t* P, const float* inv, uint16_t* op, std::vector<float>& acc,
+                  std::vector<const uint16_t*>& ahead_buf) {
+  const int64_t G = g.group, nblk = stream.nblk;
+  ahead_buf.resize(nblk);
+  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream.at(nblk + b + 2);
+  acc.resize(G * D);
+  pv_all_heads<D>(PvArgs{stream.vp, stream.table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride,
+                         stream.h, g.block_size, len, len2, nblk, 0, true},
+                  G);
+  for (int64_t j = 0; j < G; ++j) {
+    uint16_t* o = op + (s * g.num_heads + stream.h * G + j) * D;
+    for (int c = 0; c < D / 16; ++c) store_float_as_bf16x16(o + c * 16, _mm512_loadu_ps(acc.data() + j * D + c * 16));
+  }
+}
+
 // Raw scores of one query (qv: D/32 registers) against 16 consecutive key rows k (row stride D),
 // in registers throughout (a loop with a per-key bound kept the 16 sums on the stack and took
 // ~2x the time); kPrefetch: also requests the same rows of `ahead` and `next` (either may be null).
@@ -263,7 +284,7 @@ template <int D>
 void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uint16_t* qp, const uint16_t* kp,
                  const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
                  std::vector<float>& acc, std::vector<const uint16_t*>& ahead_buf, const uint16_t* next_k) {
-  constexpr int C = D / 32, V = D / 16;
+  constexpr int C = D / 32;
   const int64_t G = g.group, bs = g.block_size, len2 = (len + 1) / 2 * 2;
   scores.resize(G * len + (G * len2 + 1) / 2 + 16);
   float* S = scores.data();
@@ -318,18 +339,7 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
   }
   float inv[64];
   for (int64_t j = 0; j < G; ++j) inv[j] = probs_bf16(S + j * len, len, len2, scale, P + j * len2);
-  // V blocks 0 and 1 were asked for during the last K blocks; the next item's first K block
-  // during this item's last V blocks (it would start cold otherwise: +2% with huge pages).
-  ahead_buf.resize(nblk);
-  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream.at(nblk + b + 2);
-  acc.resize(G * D);
-  pv_all_heads<D>(PvArgs{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
-                         len2, nblk, 0, true},
-                  G);
-  for (int64_t j = 0; j < G; ++j) {
-    uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
-    for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_loadu_ps(acc.data() + j * D + c * 16));
-  }
+  pv_and_store<D>(g, stream, s, len, len2, P, inv, op, acc, ahead_buf);
 }
 
 // p.v of rows 0 .. n-1 of one block of one kv head for its J query heads, the accumulators (pv_step's
@@ -470,7 +480,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
                      const uint16_t* vp, uint16_t* op, const int64_t* table, float scale, std::vector<float>& scores,
                      std::vector<float>& acc, std::vector<float>& qt_buf, std::vector<const uint16_t*>& ahead_buf,
                      const uint16_t* next_k) {
-  constexpr int C = D / 32, V = D / 16;
+  constexpr int C = D / 32;
   const int64_t G = g.group, bs = g.block_size;
   const int64_t len16 = (len + 15) / 16 * 16, len2 = (len + 1) / 2 * 2;
   const int64_t nblk = (len + bs - 1) / bs;
@@ -534,16 +544,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
     }
     inv[j] = probs_bf16(sj, len, len2, scale, P + j * len2);
   }
-  acc.resize(G * D);
-  ahead_buf.resize(nblk);
-  for (int64_t b = 0; b < nblk; ++b) ahead_buf[b] = stream.at(nblk + b + 2);
-  pv_all_heads<D>(PvArgs{vp, table, ahead_buf.data(), P, inv, acc.data(), g.blk_stride, g.head_stride, h, bs, len,
-                         len2, nblk, 0, true},
-                  G);
-  for (int64_t j = 0; j < G; ++j) {
-    uint16_t* o = op + (s * g.num_heads + h * G + j) * D;
-    for (int c = 0; c < V; ++c) store_float_as_bf16x16(o + c * 16, _mm512_loadu_ps(acc.data() + j * D + c * 16));
-  }
+  pv_and_store<D>(g, stream, s, len, len2, P, inv, op, acc, ahead_buf);
 }
 #endif
 

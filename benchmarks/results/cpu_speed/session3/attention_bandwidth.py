@@ -7,6 +7,7 @@ session 4. `scattered_decode_batch` is also the data kernel_ab.py compares two b
 caches have the engine's layout: [num_blocks, kv_heads, block_size, head_dim] since session 4.
 """
 
+import importlib.util
 import os
 import sys
 import time
@@ -16,6 +17,17 @@ import torch
 from pagedllm.host_memory import advise_huge_pages
 
 SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 200, 9, 3, 64, 16, 8
+
+
+def load_build(suffix: str):
+    """The kernels module built as ~/.cache/torch_extensions/py311_cpu/pagedllm_cpu_kernels_<suffix>
+    (kernel_ab.py and session12's attention_hot_cold.py compare such builds)."""
+    name = f"pagedllm_cpu_kernels_{suffix}"
+    path = os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def scattered_decode_batch(max_len: int, huge: bool, ragged: bool):

@@ -6,25 +6,14 @@ HASH: the suffix of a build under ~/.cache/torch_extensions/py311_cpu/pagedllm_c
 sequences of L/2..L tokens, blocks scattered, caches on huge pages as in the engine.
 """
 
-import importlib.util
 import os
 import sys
 import time
 
 import torch
-from attention_bandwidth import LAYERS, scattered_decode_batch
+from attention_bandwidth import LAYERS, load_build, scattered_decode_batch
 
-
-def load(suffix: str):
-    name = f"pagedllm_cpu_kernels_{suffix}"
-    path = os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-builds = {sys.argv[1]: load(sys.argv[1]), sys.argv[2]: load(sys.argv[2])}
+builds = {sys.argv[1]: load_build(sys.argv[1]), sys.argv[2]: load_build(sys.argv[2])}
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 9
 torch.set_num_threads(2)
 k_caches, v_caches, tables, lens, q, read = scattered_decode_batch(

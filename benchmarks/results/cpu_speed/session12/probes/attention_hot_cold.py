@@ -7,7 +7,6 @@ SUFFIX: a build under ~/.cache/torch_extensions/py311_cpu/pagedllm_cpu_kernels_<
 one of them removed.
 """
 
-import importlib.util
 import os
 import sys
 import time
@@ -18,18 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "session3"))
 import attention_bandwidth as ab  # noqa: E402
 
-
-def load(suffix: str):
-    name = f"pagedllm_cpu_kernels_{suffix}"
-    path = os.path.expanduser(f"~/.cache/torch_extensions/py311_cpu/{name}/{name}.so")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 torch.set_num_threads(2)
-builds = {s: load(s) for s in sys.argv[1:]}
+builds = {s: ab.load_build(s) for s in sys.argv[1:]}
 for spec in os.environ.get("SL", "12:1,200:8").split(","):
     ab.SEQS, ab.LAYERS = (int(v) for v in spec.split(":"))
     k_caches, v_caches, tables, lens, q, read = ab.scattered_decode_batch(300, huge=True, ragged=True)
