@@ -11,15 +11,17 @@ import logging
 import os
 import threading
 
+from pagedllm.kernels.interface import CpuKernels
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_module = None
+_module: CpuKernels | None = None
 _failed = False
 
 
-def load_cpu_kernels():
-    """The compiled module, or None when it cannot be built here (or PAGEDLLM_NO_KERNELS=1)."""
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None when they cannot be built here (or PAGEDLLM_NO_KERNELS=1)."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -44,12 +46,13 @@ def load_cpu_kernels():
             # -ffast-math lets gcc call glibc's vectorized expf; the kernel never produces inf or NaN.
             # 512-bit vectors: gcc defaults to 256 on many Intel targets.
             flags = ["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"]
-            _module = load(
+            ext = load(
                 name=f"pagedllm_cpu_kernels_{digest.hexdigest()[:10]}",
                 sources=sources,
                 extra_cflags=flags,
                 verbose=False,
             )
+            _module = CpuKernels(ext)
         except Exception as e:  # any build problem: keep serving on the reference path
             logger.warning("pagedllm: CPU attention kernel unavailable (%s); using the PyTorch reference path", e)
             _failed = True

@@ -1,0 +1,105 @@
+"""CpuKernels: the typed interface of the compiled CPU kernels (one extension module built on first
+use, see load_cpu_kernels). Models, layers and the runner take this object, never the raw module,
+so what each kernel takes and does is written down once, here.
+
+All tensors are on the CPU; bf16 unless named otherwise. Each kernel is tested against the
+PyTorch reference path (tests/test_cpu_kernels.py, tests/test_attention.py).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+
+class CpuKernels:
+    def __init__(self, module: ModuleType) -> None:
+        self._m = module
+
+    # ---- attention ----------------------------------------------------------------------
+    def paged_decode_attention(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """out[i] <- softmax(q[i] k^T * scale) v over sequence i's first seq_lens[i] keys, K/V read
+        in place through block_tables [n, max_blocks] (long). q, out: [n, heads, head_dim]."""
+        self._m.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def prefill_attention_available(self, head_dim: int, block_size: int) -> bool:
+        """Whether paged_prefill_attention runs here for this head_dim and block_size."""
+        return self._m.prefill_attention_available(head_dim, block_size)
+
+    def paged_prefill_attention(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Causal attention of every prefill chunk of a step (rows query_starts[i] + [0,
+        query_lens[i]) of q / out), each over its context_lens[i] earlier keys plus itself, read
+        through block_tables. The chunks' own K/V must already be in the cache."""
+        self._m.paged_prefill_attention(
+            out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale
+        )
+
+    def rope_and_cache_write(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> None:
+        """RoPE on the q and k parts of each fused qkv row (in place), then k and v stored at the
+        row's cache slot."""
+        self._m.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+    # ---- elementwise ----------------------------------------------------------------------
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused [T, 2I] gate_up projection -> [T, I]."""
+        return self._m.silu_and_mul(gate_up)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place); returns rms_norm(residual) * weight."""
+        return self._m.add_rms_norm(x, residual, weight, eps)
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Index of the first maximum of each row of bf16 logits [T, V] -> [T] long."""
+        return self._m.argmax_rows(x)
+
+    # ---- GEMM -----------------------------------------------------------------------------
+    def packed_gemm_available(self) -> bool:
+        """Whether packed_gemm was built (it needs AVX512-BF16)."""
+        return self._m.packed_gemm_available()
+
+    def amx_available(self) -> bool:
+        """Whether the kernels use AMX tiles here (built with AMX, and permitted)."""
+        return self._m.amx_available()
+
+    def packed_gemm(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, epilogue: str
+    ) -> torch.Tensor:
+        """x [T, K] @ W^T with W packed in tile order (cpu_linear.tile_order); epilogue "none"
+        (+ float bias if given) or "silu_mul" (W's gate / up strips interleaved)."""
+        return self._m.packed_gemm(x, packed, bias, epilogue)
+
+    def packed_gemm_argmax(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Per row of x, the first argmax of bf16(x @ W^T), no logits written (greedy LM head)."""
+        return self._m.packed_gemm_argmax(x, packed)
