@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagedllm.kv.contiguous import RESERVE_POLICIES
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_LAYOUTS = ("paged", "contiguous")
-_RESERVE_POLICIES = ("max", "pow2", "oracle")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
@@ -51,8 +52,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}.")
         if self.kv_layout not in _KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {_KV_LAYOUTS}, got {self.kv_layout!r}.")
-        if self.reserve not in _RESERVE_POLICIES:
-            raise ValueError(f"reserve must be one of {_RESERVE_POLICIES}, got {self.reserve!r}.")
+        if self.reserve not in RESERVE_POLICIES:
+            raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {self.reserve!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}.")
         if self.max_num_seqs < 1:

@@ -2,12 +2,8 @@
 
 Order as in vLLM: penalties, min_tokens masking, then greedy argmax or temperature ->
 top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw distribution.
-Random draws use the exponential-race trick (argmax p / Exp(1)), with a per-request
-generator when the request has a seed, so its tokens do not depend on its batch.
-
-Parallel sampling (n > 1): a request's first sample also draws one token for each sequence that
-will fork off it (``Request.fork_children``), from the same distribution, each with its own
-generator. Those extra rows come back in the output, named by ``SamplerOutput.requests``.
+Random draws use the exponential-race trick (argmax p / Exp(1)), with a per-sequence
+generator when the sequence has a seed, so its tokens do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.request import Request
+from pagedllm.runner.seq_state import SeqState
 
 
 @dataclass
@@ -26,13 +22,10 @@ class SamplerOutput:
     # log p(token) under the raw model distribution; None for every row when no row needs logprobs
     chosen_logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]  # per row: token id -> logprob (chosen + top-N)
-    # The sequence of each row when the sampler added rows for forking sequences; None: the
-    # rows are exactly the requests it was given.
-    requests: list[Request] | None = None
 
     @classmethod
     def of_tokens(cls, ids: list[int]) -> SamplerOutput:
-        """Tokens alone, one per request given (no logprobs, no forks)."""
+        """Tokens alone, one per sequence given (no logprobs)."""
         return cls(ids, [None] * len(ids), [None] * len(ids))
 
 
@@ -44,28 +37,21 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.argmax_rows = argmax_rows
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[SeqState]) -> SamplerOutput:
         """``logits`` in any float dtype: an all-greedy batch without logprobs or penalties takes
         the argmax of the model's own (bf16) logits, which is the argmax of their float copy."""
-        expanded = None
-        if any(r.fork_children for r in requests):
-            rows = [i for i, r in enumerate(requests) for _ in range(1 + len(r.fork_children))]
-            expanded = [x for r in requests for x in (r, *r.fork_children)]
-            logits, requests = logits[torch.tensor(rows, dtype=torch.long)], expanded
         if _greedy_without_extras(requests):
-            ids = self._greedy(logits).tolist()
-            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
+            return SamplerOutput.of_tokens(self._greedy(logits).tolist())
         want_logprobs = any(r.needs_logprobs for r in requests)
         penalties = _needs_penalties(requests)
         logits = logits.float()
         processed = self._apply_penalties(logits.clone(), requests) if penalties else logits
         token_ids = self._choose(processed, requests)
         if not want_logprobs:
-            ids = token_ids.tolist()
-            return SamplerOutput(ids, [None] * len(ids), [None] * len(ids), expanded)
+            return SamplerOutput.of_tokens(token_ids.tolist())
         # Logprobs are of the raw distribution (tempered for beam rows that ask): log p = logit - lse.
         # Only rows that return top-N logprobs get a full log-softmax; the rest need one logsumexp.
-        temps = torch.tensor([r.logprob_temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
+        temps = torch.tensor([r.sampling_params.logprob_temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
         scored = logits if bool((temps == 1.0).all()) else logits / temps
         lse = torch.logsumexp(scored, dim=-1, keepdim=True)
         chosen = (scored.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
@@ -85,14 +71,14 @@ class Sampler:
                 for t, v in zip(idx.tolist(), vals.tolist(), strict=True):
                     d.setdefault(t, v)
             top.append(d)
-        return SamplerOutput(ids, chosen_l, top, expanded)
+        return SamplerOutput(ids, chosen_l, top)
 
     @staticmethod
-    def argmax_only(requests: list[Request]) -> bool:
-        """Whether this step's samples are the argmax of the logits and nothing else: every request
-        greedy, no logprobs, no penalties, no forks. Then the model may hand over token ids
+    def argmax_only(requests: list[SeqState]) -> bool:
+        """Whether this step's samples are the argmax of the logits and nothing else: every sequence
+        greedy, no logprobs, no penalties. Then the model may hand over token ids
         (LlamaForCausalLM.greedy_tokens) instead of logits."""
-        return not any(r.fork_children for r in requests) and _greedy_without_extras(requests)
+        return _greedy_without_extras(requests)
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if self.argmax_rows is not None and logits.dtype == torch.bfloat16 and logits.stride(-1) == 1:
@@ -102,7 +88,7 @@ class Sampler:
 
     # ---- logits processing ---------------------------------------------------------------
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(logits: torch.Tensor, requests: list[SeqState]) -> torch.Tensor:
         vocab = logits.shape[1]
         for i, r in enumerate(requests):
             sp = r.sampling_params
@@ -124,7 +110,7 @@ class Sampler:
                     row[torch.tensor(stops, dtype=torch.long)] = float("-inf")
         return logits
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, requests: list[SeqState]) -> torch.Tensor:
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not random_rows:
             return self._greedy(logits)
@@ -152,7 +138,7 @@ class Sampler:
         return out
 
 
-def _greedy_without_extras(requests: list[Request]) -> bool:
+def _greedy_without_extras(requests: list[SeqState]) -> bool:
     return (
         not any(r.needs_logprobs for r in requests)
         and not _needs_penalties(requests)
@@ -160,7 +146,7 @@ def _greedy_without_extras(requests: list[Request]) -> bool:
     )
 
 
-def _needs_penalties(requests: list[Request]) -> bool:
+def _needs_penalties(requests: list[SeqState]) -> bool:
     for r in requests:
         sp = r.sampling_params
         if sp.repetition_penalty != 1.0 or r.num_output_tokens < sp.min_tokens:

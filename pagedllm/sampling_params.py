@@ -40,6 +40,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Filled by the engine: token ids that end generation besides stop_token_ids (the model's EOS).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+    # Set by beam search: logprobs are reported for the distribution scaled by this temperature
+    # (its candidates are scored by them); 1.0 is the raw model distribution.
+    logprob_temperature: float = field(default=1.0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -86,14 +89,18 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether sampled tokens' logprobs are computed: asked for, or needed to rank best_of > n
+        candidates. Otherwise, as in vLLM, cumulative_logprob is None."""
+        return self.logprobs is not None or (self.best_of or self.n) > self.n
 
     @property
     def greedy(self) -> bool:

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.kv.contiguous import ContiguousKVCacheManager, cdiv, next_power_of_two
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
-    return Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+def make_request(rid: str, prompt_len: int, max_tokens: int) -> Sequence:
+    return Sequence(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
-def admit(kv: ContiguousKVCacheManager, req: Request, num_new: int | None = None) -> bool:
+def admit(kv: ContiguousKVCacheManager, req: Sequence, num_new: int | None = None) -> bool:
     assert kv.find_cached_prefix(req) == []
     return kv.allocate_slots(req, req.num_tokens if num_new is None else num_new, [])
 
@@ -149,12 +149,12 @@ class ContiguousMachine(RuleBasedStateMachine):
         self.policy = policy
         self.mml = max_model_len
         self.owner: list[str | None] = [None] * num_blocks  # the model of the block space
-        self.waiting: list[Request] = []
-        self.running: dict[str, Request] = {}
+        self.waiting: list[Sequence] = []
+        self.running: dict[str, Sequence] = {}
         self.tokens: dict[str, int] = {}  # what each running request holds after its last step
         self.next_id = 0
 
-    def _need_blocks(self, req: Request) -> int:
+    def _need_blocks(self, req: Sequence) -> int:
         n = expected_reservation(self.policy, req.num_prompt_tokens, req.max_tokens, self.mml)
         return cdiv(n, self.kv.block_size)
 
@@ -208,30 +208,30 @@ class ContiguousMachine(RuleBasedStateMachine):
             # external fragmentation: all free slots when only their splitting blocks the head
             assert self.kv.stats().unusable_free == (free * self.kv.block_size if free >= need else 0)
             return
-        table = self.kv.block_table(req.request_id)
+        table = self.kv.block_table(req.seq_id)
         assert table == list(range(expect, expect + need))
         for b in table:
             assert self.owner[b] is None, "overlapping reservations"
-            self.owner[b] = req.request_id
+            self.owner[b] = req.seq_id
         self.waiting.pop(0)
         req.num_computed_tokens = 0
-        self.running[req.request_id] = req
+        self.running[req.seq_id] = req
         self._ran(req, num_new)
 
-    def _ran(self, req: Request, num_new: int) -> None:
+    def _ran(self, req: Sequence, num_new: int) -> None:
         """The step ran: advance the request; it samples when it reaches its last known token."""
         req.num_computed_tokens += num_new
-        self.tokens[req.request_id] = req.num_computed_tokens
+        self.tokens[req.seq_id] = req.num_computed_tokens
         if req.num_computed_tokens == req.num_tokens:
             req.append_output_token(5)
             if req.num_output_tokens >= req.max_tokens:
                 self._release(req)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Sequence) -> None:
         self.kv.free(req)
-        self.running.pop(req.request_id)
-        self.tokens.pop(req.request_id)
-        self.owner = [None if o == req.request_id else o for o in self.owner]
+        self.running.pop(req.seq_id)
+        self.tokens.pop(req.seq_id)
+        self.owner = [None if o == req.seq_id else o for o in self.owner]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), chunk=st.integers(1, 40))

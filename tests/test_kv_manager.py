@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.kv.paged import PagedKVCacheManager, cdiv
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 MAX_PROMPT = 40
 MAX_OUTPUT = 6
@@ -29,19 +29,20 @@ _rng = random.Random(1234)
 TEMPLATES = [[_rng.randrange(ALPHABET) for _ in range(MAX_PROMPT)] for _ in range(3)]
 
 
-def make_request(rid: str, prompt: list[int], max_tokens: int = MAX_OUTPUT) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+def make_request(rid: str, prompt: list[int], max_tokens: int = MAX_OUTPUT) -> Sequence:
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens))
 
 
 # ---- deterministic tests --------------------------------------------------------------------
 
 
-def _admit_and_prefill(kv: PagedKVCacheManager, req: Request, sampled: int = 0) -> list[int]:
+def _admit_and_prefill(kv: PagedKVCacheManager, req: Sequence, sampled: int = 0) -> list[int]:
     """Admits ``req`` and runs its whole prefill in one step, as the scheduler would."""
     cached = kv.find_cached_prefix(req)
     num_computed = len(cached) * kv.block_size
     assert kv.allocate_slots(req, req.num_tokens - num_computed, cached)
     req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
     req.append_output_token(sampled)
     return cached
 
@@ -57,9 +58,10 @@ def test_sequences_growing_side_by_side_keep_contiguous_blocks():
         for r in reqs:
             assert kv.allocate_slots(r, 1)
             r.num_computed_tokens += 1
+            kv.cache_computed_blocks(r)
             r.append_output_token(1)
     for i, r in enumerate(reqs):
-        table = kv.block_table(r.request_id)
+        table = kv.block_table(r.seq_id)
         assert table == list(range(7 * i, 7 * i + len(table))), table
     kv.check_invariants()
 
@@ -77,6 +79,7 @@ def test_prefix_cache_shares_full_blocks_but_not_the_last_token():
     assert hits == table_a[:2]
     assert kv.allocate_slots(b, 40 - 32, hits)
     b.num_computed_tokens = 32
+    kv.cache_computed_blocks(b)
     table_b = kv.block_table("b")
     assert table_b[:2] == table_a[:2] and table_b[2] != table_a[2]
     assert [kv.pool.ref_cnt[x] for x in table_a] == [2, 2, 1]
@@ -185,7 +188,7 @@ def test_stats_waste_below_one_block(block_size, num_tokens):
 class Live:
     """What the test knows about an admitted request."""
 
-    def __init__(self, req: Request) -> None:
+    def __init__(self, req: Sequence) -> None:
         self.req = req
         self.allocated = 0  # tokens its table was sized for
 
@@ -201,7 +204,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.kv = PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching=self.CACHING)
         self.live: dict[str, Live] = {}
-        self.waiting: dict[str, Request] = {}
+        self.waiting: dict[str, Sequence] = {}
         self.next_id = 0
         # What each physical slot holds (None: never written since the block was handed out).
         self.content: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
@@ -221,18 +224,19 @@ class KVManagerMachine(RuleBasedStateMachine):
     def run_step(self, live: Live, num_new: int) -> None:
         """The model ran: write the step's tokens to their slots, advance, maybe sample."""
         req = live.req
-        table = self.kv.block_table(req.request_id)
+        table = self.kv.block_table(req.seq_id)
         for p in range(req.num_computed_tokens, req.num_computed_tokens + num_new):
             b = table[p // self.bs]
             assert self.kv.pool.ref_cnt[b] == 1, f"writing to block {b} shared by {self.kv.pool.ref_cnt[b]}"
             self.content[b][p % self.bs] = req.all_token_ids[p]
         req.num_computed_tokens += num_new
+        self.kv.cache_computed_blocks(req)
         if req.num_computed_tokens == req.num_tokens:
-            req.append_output_token((req.num_tokens * 7 + len(req.request_id)) % ALPHABET)
+            req.append_output_token((req.num_tokens * 7 + len(req.seq_id)) % ALPHABET)
 
-    def try_admit(self, req: Request, budget: int) -> bool:
+    def try_admit(self, req: Sequence, budget: int) -> bool:
         kv = self.kv
-        rid = req.request_id
+        rid = req.seq_id
         cached = kv.find_cached_prefix(req)
         if not self.CACHING:
             assert cached == []
@@ -262,6 +266,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         live.allocated = num_computed + num_new
         self.live[rid] = live
         req.num_computed_tokens = num_computed
+        self.kv.cache_computed_blocks(req)
         self.run_step(live, num_new)
         return True
 
@@ -318,8 +323,28 @@ class KVManagerMachine(RuleBasedStateMachine):
         for b in table[len(table_before) :]:
             assert b in free_before, f"block {b} handed out while referenced"
             self.content[b] = [None] * self.bs
-        live.allocated = req.num_computed_tokens + num_new
+        live.allocated = max(live.allocated, req.num_computed_tokens + num_new)  # a failed step's slots stay
         self.run_step(live, num_new)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), budget=st.integers(1, 48))
+    def failed_step(self, data, budget):
+        """Slots allocated for a step whose forward then raised: nothing was written and nothing
+        advanced. No block may enter the prefix cache on the strength of it (a later hit would
+        read KV that was never written: the content check of every hit catches that)."""
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="live")
+        req = self.live[rid].req
+        if req.num_output_tokens >= MAX_OUTPUT:
+            return
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        table_before = list(self.kv.block_table(rid))
+        if not self.kv.allocate_slots(req, num_new):
+            return
+        for b in self.kv.block_table(rid)[len(table_before) :]:
+            self.content[b] = [None] * self.bs  # fresh, never written
+        self.live[rid].allocated = max(self.live[rid].allocated, req.num_computed_tokens + num_new)
+        self.kv.cache_computed_blocks(req)  # what the engine does after every step: a no-op here
+        event("failed step")
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -328,7 +353,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)), label="live")
         req = self.live[rid].req
         extra = data.draw(st.integers(1, 3), label="extra")
-        num_new = (self.kv.num_free_blocks() + extra) * self.bs + self.bs
+        # more than its table (which a failed step may have grown past its computed tokens) + all free
+        num_new = (len(self.kv.block_table(rid)) + self.kv.num_free_blocks() + extra) * self.bs
         before = self.snapshot()
         assert not self.kv.allocate_slots(req, num_new)
         assert self.snapshot() == before

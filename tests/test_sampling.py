@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.request import Request
+from pagedllm.runner.seq_state import SeqState
 from pagedllm.sampler import Sampler, _filter
 
 EOS = 0
@@ -27,10 +27,10 @@ def _one_torch_thread():
 # ---------------------------------------------------------------------------------------------
 # Sampler unit tests (hand-made logits, fake requests)
 # ---------------------------------------------------------------------------------------------
-def make_req(prompt=(1, 2, 3), output=(), rid="r", eos=(EOS,), **sp_kwargs) -> Request:
+def make_req(prompt=(1, 2, 3), output=(), rid="r", eos=(EOS,), **sp_kwargs) -> SeqState:
     sp = SamplingParams(**sp_kwargs)
     sp.all_stop_token_ids = set(eos)  # what the engine fills in
-    req = Request(rid, list(prompt), sp)
+    req = SeqState(rid, list(prompt), sp)
     for t in output:
         req.append_output_token(t)
     return req
@@ -44,7 +44,7 @@ def rand_logits(rows: int, vocab: int, seed: int = 0, scale: float = 1.0) -> tor
 def draws(logits_row: torch.Tensor, n: int, seed: int = 0, **sp_kwargs) -> list[int]:
     """n independent draws from one logits row (n unseeded requests in one batch)."""
     sp = SamplingParams(**sp_kwargs)
-    reqs = [Request(f"r{i}", [1], sp) for i in range(n)]
+    reqs = [SeqState(f"r{i}", [1], sp) for i in range(n)]
     return Sampler(seed)(logits_row.unsqueeze(0).expand(n, -1).clone(), reqs).token_ids
 
 
@@ -183,7 +183,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     # sampled rows: never a stop id while under min_tokens, even when they dominate
     sp = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[5])
     sp.all_stop_token_ids = {EOS}
-    reqs = [Request(f"r{i}", [1], sp) for i in range(500)]
+    reqs = [SeqState(f"r{i}", [1], sp) for i in range(500)]
     toks = Sampler(1)(row.expand(500, -1).clone(), reqs).token_ids
     assert EOS not in toks and 5 not in toks
 
@@ -306,9 +306,7 @@ def greedy(llm):
 
 def random_prompts(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [
-        {"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(n)
-    ]
+    return [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]} for _ in range(n)]
 
 
 def gen(llm, prompts, params) -> list:

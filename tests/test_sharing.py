@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.request import child_seed
+from pagedllm.sequence import child_seed
 
 NEW = 12
 # 37 tokens: two full blocks of 16 and a partly filled third, which the children copy on write.
@@ -84,7 +84,7 @@ def test_cow_copy_moves_the_source_contents(llm):
     checked = []
 
     def spy(sched):
-        copies = sched.block_copies
+        copies = [p for op in sched.block_ops if op.kind == "copy" for p in op.pairs]
         before = {s: [(k[s].clone(), v[s].clone()) for k, v in runner.kv_caches] for s, _ in copies}
         real(sched)
         for s, d in copies:
@@ -118,12 +118,8 @@ def test_sharing_uses_fewer_blocks_than_separate_requests(llm):
             logical = max(logical, st.logical_blocks)
         return physical, logical
 
-    shared, logical = peak(
-        [long_prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True)
-    )
-    separate, _ = peak(
-        [long_prompt] * 4, SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True)
-    )
+    shared, logical = peak([long_prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True))
+    separate, _ = peak([long_prompt] * 4, SamplingParams(temperature=1.0, seed=3, max_tokens=NEW, ignore_eos=True))
     # 4 sequences of 74 + 12 tokens: 6 blocks each unshared; shared: 4 prompt blocks + 4 x 2 own
     assert (shared, logical, separate) == (12, 24, 24)
     assert_clean(llm)
@@ -152,9 +148,7 @@ def test_stop_per_sequence_and_abort_of_a_group(llm):
     assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) == 3
     assert {o.finish_reason for o in outs} <= {"stop", "length"}
     engine = llm.llm_engine
-    rid = engine.add_request(
-        None, {"prompt_token_ids": PROMPT}, SamplingParams(n=3, max_tokens=30, ignore_eos=True)
-    )
+    rid = engine.add_request(None, {"prompt_token_ids": PROMPT}, SamplingParams(n=3, max_tokens=30, ignore_eos=True))
     for _ in range(3):
         engine.step()
     assert engine.kv_manager.stats().shared_blocks > 0

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.kv.paged import PagedKVCacheManager, cdiv
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence
 
 MAX_PROMPT = 24
 MAX_TOKENS = 32  # prompt + outputs of any sequence
@@ -38,9 +38,9 @@ class ShareMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.kv = PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.kv.enable_swap(max(1, num_host))
-        self.running: dict[str, Request] = {}
-        self.swapped: dict[str, Request] = {}
-        self.waiting: dict[str, Request] = {}  # preempted by recompute / not admitted yet
+        self.running: dict[str, Sequence] = {}
+        self.swapped: dict[str, Sequence] = {}
+        self.waiting: dict[str, Sequence] = {}  # preempted by recompute / not admitted yet
         self.next_id = 0
         self.content: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: list[list[int | None]] = [[None] * block_size for _ in range(self.kv.host_pool.num_blocks)]
@@ -74,10 +74,10 @@ class ShareMachine(RuleBasedStateMachine):
             kv.num_free_blocks(),
         )
 
-    def run(self, req: Request, num_new: int, cached: list[int] | None = None) -> bool:
+    def run(self, req: Sequence, num_new: int, cached: list[int] | None = None) -> bool:
         """allocate_slots + the runner: copies first, then writes; samples at the end."""
         kv = self.kv
-        rid = req.request_id
+        rid = req.seq_id
         old_table = list(kv.block_table(rid)) if rid in self.running else []
         free_before = self.free_device()
         before = self.snapshot()
@@ -99,6 +99,7 @@ class ShareMachine(RuleBasedStateMachine):
             assert kv.pool.ref_cnt[b] == 1, f"writing into block {b}, held {kv.pool.ref_cnt[b]} times"
             self.content[b][p % self.bs] = req.all_token_ids[p]
         req.num_computed_tokens += num_new
+        self.kv.cache_computed_blocks(req)
         if req.num_computed_tokens == req.num_tokens and req.num_tokens < MAX_TOKENS:
             req.append_output_token((req.num_tokens * 5 + len(rid)) % ALPHABET)
         return True
@@ -109,18 +110,19 @@ class ShareMachine(RuleBasedStateMachine):
     # ---- rules ----
     @rule(template=st.integers(0, 1), length=st.integers(1, MAX_PROMPT), budget=st.integers(1, 40))
     def admit(self, template, length, budget):
-        req = Request(self.new_id(), TEMPLATES[template][:length], SamplingParams())
-        self.waiting[req.request_id] = req
+        req = Sequence(self.new_id(), TEMPLATES[template][:length], SamplingParams())
+        self.waiting[req.seq_id] = req
         self._try_admit(req, budget)
 
-    def _try_admit(self, req: Request, budget: int) -> None:
+    def _try_admit(self, req: Sequence, budget: int) -> None:
         cached = self.kv.find_cached_prefix(req)
         for i, b in enumerate(cached):
             assert self.content[b] == req.all_token_ids[i * self.bs : (i + 1) * self.bs], f"bad hit {b}"
         req.num_computed_tokens = len(cached) * self.bs
+        self.kv.cache_computed_blocks(req)
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.run(req, num_new, cached):
-            self.running[req.request_id] = self.waiting.pop(req.request_id)
+            self.running[req.seq_id] = self.waiting.pop(req.seq_id)
         else:
             req.num_computed_tokens = 0
 
@@ -141,23 +143,24 @@ class ShareMachine(RuleBasedStateMachine):
         """n > 1 / beam search: a child shares all of its parent's blocks (on device or host)."""
         pool = {**self.running, **self.swapped}
         parent = pool[data.draw(st.sampled_from(sorted(pool)))]
-        child = parent.fork(self.new_id(), index=1)
+        child = parent.fork(self.new_id())
         refs_before = list(self.kv.pool.ref_cnt)
         assert self.kv.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.cache_computed_blocks(child)
         if diverge and child.num_computed_tokens < child.num_tokens and child.num_output_tokens:
             # siblings sampled different tokens (not yet computed): replace the child's last one
             tok = (child.all_token_ids[-1] + 1) % ALPHABET
             child.all_token_ids[-1] = child.output_token_ids[-1] = tok
-        if parent.request_id in self.running:
-            table = self.kv.block_table(child.request_id)
-            assert table == self.kv.block_table(parent.request_id)
+        if parent.seq_id in self.running:
+            table = self.kv.block_table(child.seq_id)
+            assert table == self.kv.block_table(parent.seq_id)
             for b in set(table):
                 assert self.kv.pool.ref_cnt[b] == refs_before[b] + table.count(b)
-            self.running[child.request_id] = child
+            self.running[child.seq_id] = child
         else:
             event("fork of a swapped-out parent")
-            self.swapped[child.request_id] = child
+            self.swapped[child.seq_id] = child
 
     @precondition(lambda self: self.runnable())
     @rule(data=st.data(), width=st.integers(1, 3))
@@ -167,13 +170,14 @@ class ShareMachine(RuleBasedStateMachine):
         parent = self.running[data.draw(st.sampled_from(self.runnable()))]
         family = [parent]
         for i in range(width):
-            child = parent.fork(self.new_id(), index=i + 1)
+            child = parent.fork(self.new_id())
             assert self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.cache_computed_blocks(child)
             if child.num_output_tokens and child.num_computed_tokens < child.num_tokens:
                 tok = (child.all_token_ids[-1] + i + 1) % ALPHABET
                 child.all_token_ids[-1] = child.output_token_ids[-1] = tok
-            self.running[child.request_id] = child
+            self.running[child.seq_id] = child
             family.append(child)
         for seq in data.draw(st.permutations(family)):
             if seq.num_computed_tokens < seq.num_tokens:
@@ -192,7 +196,7 @@ class ShareMachine(RuleBasedStateMachine):
             return
         self.replay_ops()
         for r in reqs:
-            self.swapped[r.request_id] = self.running.pop(r.request_id)
+            self.swapped[r.seq_id] = self.running.pop(r.seq_id)
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data(), reserve=st.integers(0, 2))
@@ -206,10 +210,10 @@ class ShareMachine(RuleBasedStateMachine):
             return
         assert self.kv.num_free_blocks() >= reserve
         for r in reqs:
-            assert set(self.kv.block_table(r.request_id)) <= free_before
+            assert set(self.kv.block_table(r.seq_id)) <= free_before
         self.replay_ops()
         for r in reqs:
-            self.running[r.request_id] = self.swapped.pop(r.request_id)
+            self.running[r.seq_id] = self.swapped.pop(r.seq_id)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -217,7 +221,7 @@ class ShareMachine(RuleBasedStateMachine):
         req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
         self.kv.free(req)
         req.num_computed_tokens = 0
-        self.waiting[req.request_id] = req
+        self.waiting[req.seq_id] = req
 
     @precondition(lambda self: self.running or self.swapped or self.waiting)
     @rule(data=st.data())
@@ -249,9 +253,7 @@ class ShareMachine(RuleBasedStateMachine):
             for b in table:
                 host_holders[b] += 1
             for p in range(req.num_computed_tokens):
-                assert self.host[table[p // bs]][p % bs] == req.all_token_ids[p], (
-                    f"{rid}: swapped token {p} lost"
-                )
+                assert self.host[table[p // bs]][p % bs] == req.all_token_ids[p], f"{rid}: swapped token {p} lost"
         for rid in self.waiting:
             assert rid not in kv._tables and rid not in kv._host_tables
         assert all(kv.pool.ref_cnt[b] == holders[b] for b in range(kv.num_blocks))
@@ -282,14 +284,16 @@ TestSharingStateMachine = ShareMachine.TestCase
 def test_cow_copies_once_per_extra_sharer():
     """k sequences sharing a partly filled block: k - 1 copies, the last writer keeps the block."""
     kv = PagedKVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
-    parent = Request("p", list(range(10)), SamplingParams())  # blocks: 4 + 4 + 2
+    parent = Sequence("p", list(range(10)), SamplingParams())  # blocks: 4 + 4 + 2
     assert kv.allocate_slots(parent, 10)
     parent.num_computed_tokens = 10
+    kv.cache_computed_blocks(parent)
     parent.append_output_token(1)
-    kids = [parent.fork(f"c{i}", i) for i in (1, 2)]
+    kids = [parent.fork(f"c{i}") for i in (1, 2)]
     for k in kids:
         assert kv.fork(parent, k)
         k.num_computed_tokens = 10
+        kv.cache_computed_blocks(k)
     table = list(kv.block_table("p"))
     assert [kv.pool.ref_cnt[b] for b in table] == [3, 3, 3]
     assert kv.stats().shared_blocks == 3 and kv.stats().logical_blocks == 9
@@ -308,12 +312,14 @@ def test_cow_copies_once_per_extra_sharer():
 def test_swap_keeps_sharing_inside_a_group():
     kv = PagedKVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     kv.enable_swap(8)
-    a = Request("a", list(range(6)), SamplingParams())
+    a = Sequence("a", list(range(6)), SamplingParams())
     assert kv.allocate_slots(a, 6)
     a.num_computed_tokens = 6
-    b = a.fork("b", 1)
+    kv.cache_computed_blocks(a)
+    b = a.fork("b")
     assert kv.fork(a, b)
     b.num_computed_tokens = 6
+    kv.cache_computed_blocks(b)
     assert kv.swap_out([a, b])
     assert kv.host_pool.num_used_blocks == 2 and kv.num_free_blocks() == 8  # copied once
     with pytest.raises(KeyError):

@@ -7,6 +7,10 @@ with the sequence's block table (no per-sequence cache is ever kept).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +29,23 @@ def write_kv_cache(
     blocks, offsets = slot_mapping // bs, slot_mapping % bs
     k_cache[blocks, :, offsets] = key
     v_cache[blocks, :, offsets] = value
+
+
+# Seconds spent in attend() while an attention_timer is open (benchmarks); None: not timing.
+_timer: list[float] | None = None
+
+
+@contextmanager
+def attention_timer() -> Iterator[list[float]]:
+    """Accumulates the time spent in attention (every layer, both paths) into the yielded
+    one-element list while open. CPU calls are synchronous, so wall time is kernel time."""
+    global _timer
+    acc = [0.0]
+    _timer = acc
+    try:
+        yield acc
+    finally:
+        _timer = None
 
 
 def paged_attention(
@@ -54,6 +75,16 @@ def attend(
 
     Query rows may be strided (a view of a fused qkv projection); the output is contiguous.
     """
+    if _timer is None:
+        return _attend(query, key, value, k_cache, v_cache, meta, scale)
+    t = time.perf_counter()
+    try:
+        return _attend(query, key, value, k_cache, v_cache, meta, scale)
+    finally:
+        _timer[0] += time.perf_counter() - t
+
+
+def _attend(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     out = query.new_empty(query.shape)
     nd = meta.num_decodes
     if nd and meta.decode_kernel is not None:

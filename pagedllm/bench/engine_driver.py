@@ -8,7 +8,9 @@ that step runs with). Time is engine time: the sum of ``step()`` durations less 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+
+from pagedllm.attention.paged_attention import attention_timer
 
 
 @contextmanager
@@ -16,57 +18,25 @@ def kv_sampler(engine, enabled: bool = True):
     """Snapshots KV memory right after each ``schedule()``, i.e. the memory the step runs with.
 
     Sampling after ``step()`` instead would miss what the step used (finished requests are already
-    freed, the next admissions not yet made). Wraps the scheduler instance's method; the engine's
-    files are untouched. Yields [last snapshot or None, seconds spent sampling].
+    freed, the next admissions not yet made). Uses the engine core's ``on_schedule`` observer.
+    Yields [last snapshot or None, seconds spent sampling].
     """
     state: list = [None, 0.0]
     if not enabled:
         yield state
         return
-    sched = engine.scheduler
-    orig = sched.schedule
+    core = engine.core
 
-    def schedule():
-        out = orig()
+    def observe(sched) -> None:
         t = time.monotonic()
-        state[0] = _kv_sample(engine, out)
+        state[0] = _kv_sample(engine, sched)
         state[1] += time.monotonic() - t
-        return out
 
-    sched.schedule = schedule
+    core.on_schedule = observe
     try:
         yield state
     finally:
-        del sched.schedule  # back to the class's method
-
-
-@contextmanager
-def attention_timer():
-    """Times every paged_attention call of the Llama-family model (CPU: calls are synchronous).
-
-    Yields a one-element list holding the accumulated seconds; [None] if the model module has no
-    ``paged_attention`` to wrap (then attention time is not measurable and is reported as such).
-    """
-    import pagedllm.models.llama as llama
-
-    orig = getattr(llama, "paged_attention", None)
-    acc: list[float | None] = [None if orig is None else 0.0]
-    if orig is None:
-        yield acc
-        return
-
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **kw)
-        finally:
-            acc[0] += time.perf_counter() - t
-
-    llama.paged_attention = timed
-    try:
-        yield acc
-    finally:
-        llama.paged_attention = orig
+        core.on_schedule = None
 
 
 def _kv_sample(engine, sched) -> dict:
@@ -80,10 +50,10 @@ def _kv_sample(engine, sched) -> dict:
     st = engine.get_stats()
     kv = engine.kv_manager.stats()
     bs = engine.kv_manager.block_size
-    new = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
+    new = sched.num_scheduled_tokens
     future = internal = 0
     for r in engine.scheduler.running:
-        rid = r.request_id
+        rid = r.seq_id
         res = len(engine.kv_manager.block_table(rid)) * bs
         final = min(res, r.num_prompt_tokens + r.max_tokens - 1)
         future += max(0, final - r.num_computed_tokens - new.get(rid, 0))
@@ -136,8 +106,9 @@ def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_atte
     engine_time = 0.0
     stalled = 0
     wall0 = time.monotonic()
-    with attention_timer() as attn, kv_sampler(engine, sample_kv) as snap:
-        attn_prev = attn[0] or 0.0
+    timer = attention_timer() if time_attention else nullcontext([0.0])
+    with timer as attn, kv_sampler(engine, sample_kv) as snap:
+        attn_prev = attn[0]
         while engine.has_unfinished_requests():
             t0 = time.monotonic()
             sampling0 = snap[1]
@@ -148,7 +119,7 @@ def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_atte
             stalled = stalled + 1 if not outs and engine.scheduler.num_running == 0 else 0
             if stalled > 100:
                 raise RuntimeError("the engine admits nothing: a waiting request can never be scheduled")
-            if attn[0] is not None and time_attention:
+            if time_attention:
                 sample["attn"] = attn[0] - attn_prev
                 attn_prev = attn[0]
             for o in outs:

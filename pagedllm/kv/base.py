@@ -6,7 +6,7 @@ import abc
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
 
 
 class BlockOp(NamedTuple):
@@ -27,8 +27,8 @@ class KVCacheStats:
     """A snapshot of KV memory, in token slots.
 
     used: slots holding a real token's K/V (shared slots counted once);
-    reserved: slots set aside for running requests (used + allocated-but-not-yet-used);
-    free: slots not reserved; unusable_free: free slots no waiting request could be given
+    reserved: slots set aside for running seqs (used + allocated-but-not-yet-used);
+    free: slots not reserved; unusable_free: free slots no waiting seq could be given
     (external fragmentation: only the contiguous layouts have it).
     """
 
@@ -55,9 +55,9 @@ class KVCacheStats:
 class KVCacheManager(abc.ABC):
     """Maps each request's tokens to physical KV slots.
 
-    The scheduler calls ``allocate_slots`` before a request runs ``num_new_tokens`` more tokens,
+    The scheduler calls ``allocate_slots`` before a seq runs ``num_new_tokens`` more tokens,
     and ``free`` when it finishes or is preempted. The runner reads ``block_table``:
-    token position p of a request lives in slot ``block_table[p // block_size] * block_size +
+    token position p of a seq lives in slot ``block_table[p // block_size] * block_size +
     p % block_size`` of the physical cache.
     """
 
@@ -65,17 +65,15 @@ class KVCacheManager(abc.ABC):
     num_blocks: int
 
     @abc.abstractmethod
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks already holding this request's leading full blocks (prefix cache hits)."""
 
     @abc.abstractmethod
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
-    ) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Makes room for ``num_new_tokens`` more tokens; False (and no change) if it cannot."""
 
     @abc.abstractmethod
-    def free(self, request: Request) -> None:
+    def free(self, seq: Sequence) -> None:
         """Releases everything the request holds."""
 
     @abc.abstractmethod
@@ -91,6 +89,9 @@ class KVCacheManager(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> KVCacheStats: ...
 
+    def cache_computed_blocks(self, seq: Sequence) -> None:  # noqa: B027 (optional: no prefix cache)
+        """Registers the sequence's full, written blocks in the prefix cache (if it has one)."""
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks() / self.num_blocks
 
@@ -99,8 +100,8 @@ class KVCacheManager(abc.ABC):
         return 0, 0
 
     # ---- sharing and swapping (optional: managers without them keep these defaults) --------
-    def fork(self, parent: Request, child: Request) -> bool:
-        """Makes ``child`` share all of ``parent``'s blocks (refcounts, no copy).
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Makes ``child`` share ``parent``'s blocks for the tokens it holds (refcounts, no copy).
 
         False means this manager cannot share, or the parent holds no blocks: the child then
         starts with none and recomputes its tokens.
@@ -119,10 +120,10 @@ class KVCacheManager(abc.ABC):
     def can_swap(self) -> bool:
         return False
 
-    def swap_out(self, requests: list[Request]) -> bool:
+    def swap_out(self, seqs: list[Sequence]) -> bool:
         """Moves the requests' blocks to host memory (a block they share is copied once)."""
         raise NotImplementedError(f"{type(self).__name__} does not support swapping")
 
-    def swap_in(self, requests: list[Request], reserve: int = 0) -> bool:
+    def swap_in(self, seqs: list[Sequence], reserve: int = 0) -> bool:
         """Moves the requests' blocks back, if that leaves ``reserve`` device blocks free."""
         raise NotImplementedError(f"{type(self).__name__} does not support swapping")

@@ -1,6 +1,6 @@
 """Baseline KV managers: one contiguous reservation per request (Orca / FasterTransformer style).
 
-At admission a request reserves one run of consecutive blocks big enough for everything it may
+At admission a seq reserves one run of consecutive blocks big enough for everything it may
 ever hold, chosen by ``reserve``:
 
 * ``max``:    max_model_len slots (the system cannot know the output length: reserve the worst case);
@@ -10,14 +10,14 @@ ever hold, chosen by ``reserve``:
               real output length: the best any reserve-at-admission system can do ("Orca (Oracle)").
 
 Runs are placed first-fit in the block space and freed runs coalesce with free neighbours, so
-external fragmentation (free slots in holes too small for the next request) is real. The
+external fragmentation (free slots in holes too small for the next seq) is real. The
 reservation is exposed through an ordinary block table ``[start, start + 1, ...]``, so the
 unchanged runner and paged attention read it; with ``block_size=1`` the reservation is exact to
 the token and the block table is a list of slot indices.
 
-There is no prefix caching and no growth: a request never needs more than its reservation (if it
-did, that is a bug, and an assertion says so), so a running request never fails allocate_slots
-and the contiguous layouts never preempt; a request that does not fit waits in the queue.
+There is no prefix caching and no growth: a seq never needs more than its reservation (if it
+did, that is a bug, and an assertion says so), so a running seq never fails allocate_slots
+and the contiguous layouts never preempt; a seq that does not fit waits in the queue.
 """
 
 from __future__ import annotations
@@ -25,13 +25,10 @@ from __future__ import annotations
 import bisect
 
 from pagedllm.kv.base import KVCacheManager, KVCacheStats
-from pagedllm.request import Request
+from pagedllm.sequence import Sequence
+from pagedllm.utils import cdiv
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def next_power_of_two(n: int) -> int:
@@ -39,9 +36,7 @@ def next_power_of_two(n: int) -> int:
 
 
 class ContiguousKVCacheManager(KVCacheManager):
-    def __init__(
-        self, num_blocks: int, block_size: int, reserve: str = "max", max_model_len: int = 2048
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, reserve: str = "max", max_model_len: int = 2048) -> None:
         if reserve not in RESERVE_POLICIES:
             raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {reserve!r}.")
         self.num_blocks = num_blocks
@@ -76,8 +71,8 @@ class ContiguousKVCacheManager(KVCacheManager):
             return max(num_tokens, min(next_power_of_two(num_tokens), self.max_model_len))
         return num_tokens
 
-    def _request_reservation(self, request: Request) -> int:
-        return self.reservation_tokens(request.num_prompt_tokens + request.max_tokens)
+    def _request_reservation(self, seq: Sequence) -> int:
+        return self.reservation_tokens(seq.num_prompt_tokens + seq.max_tokens)
 
     # ---- free-run bookkeeping ------------------------------------------------------------
     def _first_fit(self, num_blocks: int) -> int | None:
@@ -110,18 +105,16 @@ class ContiguousKVCacheManager(KVCacheManager):
             del self._free_starts[i + 1], self._free_lens[i + 1]
 
     # ---- KVCacheManager ------------------------------------------------------------------
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
         return []  # no prefix caching in the baselines
 
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
-    ) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         assert not cached_blocks, "the contiguous layouts have no prefix cache"
-        rid = request.request_id
+        rid = seq.seq_id
         run = self._runs.get(rid)
         if run is None:
             # Admission (first time, or again after preemption, which recomputes from 0).
-            reserve = self._request_reservation(request)
+            reserve = self._request_reservation(seq)
             nblocks = cdiv(reserve, self.block_size)
             num_tokens = num_new_tokens
             assert num_tokens <= reserve, f"{rid}: {num_tokens} tokens exceed its reservation of {reserve}"
@@ -139,7 +132,7 @@ class ContiguousKVCacheManager(KVCacheManager):
                 self._blocked = None
             return True
         # Within the reservation: nothing to allocate.
-        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_tokens = seq.num_computed_tokens + num_new_tokens
         assert num_tokens <= run[2], f"{rid}: {num_tokens} tokens exceed its reservation of {run[2]}"
         old = self._num_tokens[rid]
         if num_tokens > old:
@@ -147,8 +140,8 @@ class ContiguousKVCacheManager(KVCacheManager):
             self._used_tokens += num_tokens - old
         return True
 
-    def free(self, request: Request) -> None:
-        rid = request.request_id
+    def free(self, seq: Sequence) -> None:
+        rid = seq.seq_id
         if self._blocked is not None and self._blocked[0] == rid:
             self._blocked = None  # aborted while waiting
         run = self._runs.pop(rid, None)
@@ -181,7 +174,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         use. 0 otherwise: when nobody waits on memory, or when even a compacted cache would be too
         full for the head, which is then plain "free", as it is for the paged layout whose head
         waits for blocks. Internal fragmentation and not-yet-used reservation are both in
-        reserved - used (the benchmark separates them with each request's final length).
+        reserved - used (the benchmark separates them with each seq's final length).
         """
         bs = self.block_size
         total = self.num_blocks * bs

@@ -14,13 +14,12 @@ in host memory (a block shared inside the set is copied once and stays shared th
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pagedllm.kv.base import BlockOp, KVCacheManager, KVCacheStats
 from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
-from pagedllm.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedllm.sequence import Sequence
+from pagedllm.utils import cdiv
 
 
 class PagedKVCacheManager(KVCacheManager):
@@ -46,24 +45,24 @@ class PagedKVCacheManager(KVCacheManager):
         self.num_swapped_in_blocks = 0
 
     # ---- prefix cache --------------------------------------------------------------------
-    def _block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+    def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[BlockHash]:
         """Hashes of the full blocks among the request's first ``num_tokens`` tokens."""
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = self._hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
-        tokens = request.all_token_ids
+        tokens = seq.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        if not self.enable_prefix_caching or request.request_id in self._tables:
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return []
         # Never the block holding the last token: that token must run through the model to give
         # the logits the next token is sampled from.
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for h in self._block_hashes(request, max_blocks * self.block_size)[:max_blocks]:
+        for h in self._block_hashes(seq, max_blocks * self.block_size)[:max_blocks]:
             b = self.pool.lookup(h)
             if b is None:
                 break
@@ -74,10 +73,8 @@ class PagedKVCacheManager(KVCacheManager):
         return self.pool.num_cache_queries, self.pool.num_cache_hits
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
-    ) -> bool:
-        rid = request.request_id
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        rid = seq.seq_id
         assert rid not in self._host_tables, f"{rid} is swapped out: swap it in before running it"
         table = self._tables.get(rid)
         cached_blocks = cached_blocks or []
@@ -86,7 +83,7 @@ class PagedKVCacheManager(KVCacheManager):
             num_computed = len(cached_blocks) * self.block_size
         else:
             assert not cached_blocks, "cached prefix blocks are only taken at admission"
-            num_computed = request.num_computed_tokens
+            num_computed = seq.num_computed_tokens
         num_tokens = num_computed + num_new_tokens
         num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(table) - len(cached_blocks))
         # Copy-on-write: blocks this step writes into that other sequences also hold (a forked
@@ -117,28 +114,33 @@ class PagedKVCacheManager(KVCacheManager):
             if table:
                 table.extend(self.pool.allocate(num_new_blocks, follow=table[-1]))
             else:  # a new sequence: room for all it may grow to (placement only, not reserved)
-                max_len = request.num_prompt_tokens + (request.sampling_params.max_tokens or 0)
+                max_len = seq.num_prompt_tokens + (seq.sampling_params.max_tokens or 0)
                 table.extend(self.pool.allocate(num_new_blocks, room=max(cdiv(max_len, self.block_size), 1)))
         self._num_tokens[rid] = max(num_tokens, self._num_tokens.get(rid, 0))
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_tokens)
         return True
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Registers the blocks that are full once this step's tokens are written."""
-        rid = request.request_id
-        num_full = num_tokens // self.block_size
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Registers the sequence's full blocks whose K/V are written (``num_computed_tokens``).
+
+        Called after the step that wrote them, never at allocation: a step that fails leaves
+        no hash of KV that was never written."""
+        if not self.enable_prefix_caching:
+            return
+        rid = seq.seq_id
+        if rid not in self._tables:
+            return
+        num_full = min(seq.num_computed_tokens, self._num_tokens[rid]) // self.block_size
         start = self._num_cached[rid]
         if num_full <= start:
             return
-        hashes = self._block_hashes(request, num_full * self.block_size)
+        hashes = self._block_hashes(seq, num_full * self.block_size)
         table = self._tables[rid]
         for i in range(start, num_full):
             self.pool.cache_block(table[i], hashes[i])
         self._num_cached[rid] = num_full
 
-    def free(self, request: Request) -> None:
-        rid = request.request_id
+    def free(self, seq: Sequence) -> None:
+        rid = seq.seq_id
         table = self._tables.pop(rid, None)
         host_table = self._host_tables.pop(rid, None)
         self._num_tokens.pop(rid, None)
@@ -151,8 +153,8 @@ class PagedKVCacheManager(KVCacheManager):
             self.host_pool.free(reversed(host_table))
 
     # ---- sharing -------------------------------------------------------------------------
-    def fork(self, parent: Request, child: Request) -> bool:
-        pid, cid = parent.request_id, child.request_id
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        pid, cid = parent.seq_id, child.seq_id
         assert cid not in self._tables and cid not in self._host_tables, f"{cid} already holds blocks"
         if pid in self._tables:
             tables, pool = self._tables, self.pool
@@ -161,11 +163,14 @@ class PagedKVCacheManager(KVCacheManager):
             tables, pool = self._host_tables, self.host_pool
         else:
             return False  # the parent holds no blocks (preempted by recompute): the child recomputes
-        tables[cid] = list(tables[pid])
+        # The child may keep only a prefix of the parent's tokens (n > 1 forks at the prompt).
+        num_tokens = min(self._num_tokens.get(pid, 0), child.num_tokens)
+        num_full = num_tokens // self.block_size
+        tables[cid] = list(tables[pid][: cdiv(num_tokens, self.block_size)])
         pool.touch(tables[cid])
-        self._num_tokens[cid] = self._num_tokens.get(pid, 0)
-        self._hashes[cid] = list(self._hashes.get(pid, []))
-        self._num_cached[cid] = self._num_cached.get(pid, 0)
+        self._num_tokens[cid] = num_tokens
+        self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
+        self._num_cached[cid] = min(self._num_cached.get(pid, 0), num_full)
         return True
 
     def _record(self, kind: str, pairs: list[tuple[int, int]]) -> None:
@@ -198,7 +203,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _move(
         self,
-        requests: list[Request],
+        seqs: list[Sequence],
         src_tables: dict[str, list[int]],
         dst_tables: dict[str, list[int]],
         src_pool: BlockPool,
@@ -206,45 +211,43 @@ class PagedKVCacheManager(KVCacheManager):
         reserve: int,
         kind: str,
     ) -> bool:
-        tables = [src_tables[r.request_id] for r in requests]
+        tables = [src_tables[r.seq_id] for r in seqs]
         blocks = self._distinct(tables)
         if len(blocks) + reserve > dst_pool.num_free_blocks:
             return False
         mapping = dict(zip(blocks, dst_pool.allocate(len(blocks)), strict=True))
         self._record(kind, list(mapping.items()))
-        for r, t in zip(requests, tables, strict=True):
+        for r, t in zip(seqs, tables, strict=True):
             new = [mapping[b] for b in t]
-            dst_tables[r.request_id] = new
-            del src_tables[r.request_id]
+            dst_tables[r.seq_id] = new
+            del src_tables[r.seq_id]
             src_pool.free(reversed(t))
         # allocate() gave each block one reference; a block the set shares gets the rest.
-        for b, n in _count([mapping[b] for t in tables for b in t]).items():
+        for b, n in Counter(mapping[b] for t in tables for b in t).items():
             if n > 1:
                 dst_pool.touch([b] * (n - 1))
         return True
 
-    def swap_out(self, requests: list[Request]) -> bool:
+    def swap_out(self, seqs: list[Sequence]) -> bool:
         if self.host_pool is None:
             raise RuntimeError("swapping is not enabled (enable_swap)")
-        ok = self._move(requests, self._tables, self._host_tables, self.pool, self.host_pool, 0, "swap_out")
+        ok = self._move(seqs, self._tables, self._host_tables, self.pool, self.host_pool, 0, "swap_out")
         if ok:
-            self.num_swapped_out_blocks += self._num_distinct(self._host_tables, requests)
+            self.num_swapped_out_blocks += self._num_distinct(self._host_tables, seqs)
         return ok
 
-    def swap_in(self, requests: list[Request], reserve: int = 0) -> bool:
+    def swap_in(self, seqs: list[Sequence], reserve: int = 0) -> bool:
         assert self.host_pool is not None
-        ok = self._move(
-            requests, self._host_tables, self._tables, self.host_pool, self.pool, reserve, "swap_in"
-        )
+        ok = self._move(seqs, self._host_tables, self._tables, self.host_pool, self.pool, reserve, "swap_in")
         if ok:
-            self.num_swapped_in_blocks += self._num_distinct(self._tables, requests)
-            for r in requests:
+            self.num_swapped_in_blocks += self._num_distinct(self._tables, seqs)
+            for r in seqs:
                 # The new device blocks are not in the prefix cache yet: register them again.
-                self._num_cached[r.request_id] = 0
+                self._num_cached[r.seq_id] = 0
         return ok
 
-    def _num_distinct(self, tables: dict[str, list[int]], requests: list[Request]) -> int:
-        return len(self._distinct([tables[r.request_id] for r in requests]))
+    def _num_distinct(self, tables: dict[str, list[int]], seqs: list[Sequence]) -> int:
+        return len(self._distinct([tables[r.seq_id] for r in seqs]))
 
     # ---- queries -------------------------------------------------------------------------
     def block_table(self, request_id: str) -> list[int]:
@@ -286,7 +289,7 @@ class PagedKVCacheManager(KVCacheManager):
             for b in table:
                 refs[b] += 1
         assert refs == self.pool.ref_cnt, "refcounts differ from the block tables' references"
-        assert not set(self._tables) & set(self._host_tables), "a request is both on the device and swapped"
+        assert not set(self._tables) & set(self._host_tables), "a seq is both on the device and swapped"
         if self.host_pool is not None:
             self.host_pool.check_invariants()
             refs = [0] * self.host_pool.num_blocks
@@ -296,10 +299,3 @@ class PagedKVCacheManager(KVCacheManager):
             assert refs == self.host_pool.ref_cnt, "host refcounts differ from the swapped tables' references"
         else:
             assert not self._host_tables
-
-
-def _count(items: list[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out

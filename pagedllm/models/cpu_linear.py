@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.host_memory import copy_to_huge_pages
+from pagedllm.kernels.interface import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class PackedLinear(nn.Module):
     """``kernels``: the compiled CPU kernels, or None for oneDNN only. ``fuse_silu_mul``: this is
     a fused [gate; up] projection whose ``silu_and_mul`` method the MLP calls."""
 
-    def __init__(self, linear: nn.Linear, kernels=None, fuse_silu_mul: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels | None = None, fuse_silu_mul: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
@@ -117,7 +118,9 @@ def _packing_works() -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, kernels=None, fuse_silu_mul_names: tuple[str, ...] = ()) -> list[PackedLinear]:
+def pack_linears(
+    model: nn.Module, kernels: CpuKernels | None = None, fuse_silu_mul_names: tuple[str, ...] = ()
+) -> list[PackedLinear]:
     """Replaces the bf16 nn.Linear layers of a CPU model by PackedLinear; returns them.
     Children named in ``fuse_silu_mul_names`` are fused [gate; up] projections."""
     if not torch.backends.mkldnn.is_available() or not _packing_works():

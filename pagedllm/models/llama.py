@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import attend, paged_attention
+from pagedllm.kernels.interface import CpuKernels
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +141,7 @@ class _FusedLayer(NamedTuple):
     next_norm_eps: float
 
 
-def _gate_up_silu_mul(gate_up_proj: nn.Module, kernels) -> Callable[[torch.Tensor], torch.Tensor]:
+def _gate_up_silu_mul(gate_up_proj: nn.Module, kernels: CpuKernels) -> Callable[[torch.Tensor], torch.Tensor]:
     """The MLP's silu(gate) * up: in the GEMM's epilogue where the layer fuses it, else a kernel after."""
     if getattr(gate_up_proj, "fused_silu_mul", False):
         return gate_up_proj.silu_and_mul
@@ -165,11 +166,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
         self.packed_head = None
-        self.kernels = None  # compiled CPU kernels for the bf16 fast path (enable_cpu_kernels)
+        self.kernels: CpuKernels | None = None  # compiled CPU kernels for the bf16 fast path (enable_cpu_kernels)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
-    def enable_cpu_kernels(self, kernels) -> bool:
+    def enable_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
         """Runs bf16 CPU forwards through the fused kernels (pagedllm.kernels); False if not applicable."""
         w = self.embed_tokens.weight
         if kernels is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.head_dim > 512:
@@ -241,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         only compute_logits serves here."""
         return self.packed_head.argmax(hidden) if self.packed_head is not None else None
 
-    def pack_for_cpu(self, kernels=None) -> int:
+    def pack_for_cpu(self, kernels: CpuKernels | None = None) -> int:
         """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers
         packed. ``kernels``: the compiled CPU kernels (packed_gemm), or None for oneDNN."""
         from pagedllm.models.cpu_linear import PackedLinear, pack_linears, place_on_huge_pages

@@ -1,6 +1,8 @@
-"""Executes one scheduled step: builds the flat batch tensors, runs the model, samples.
+"""Executes one scheduled step: updates its own sequence states and block tables from the
+SchedulerOutput, builds the flat batch tensors, runs the model, samples.
 
-The runner makes no policy decisions: it runs exactly what the SchedulerOutput says.
+The runner makes no policy decisions and never sees a KV manager: it runs exactly what the
+SchedulerOutput says, from the state that output (and the ones before it) gave it.
 """
 
 from __future__ import annotations
@@ -8,56 +10,88 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
-from pagedllm.kv.base import KVCacheManager
-from pagedllm.request import Request
+from pagedllm.kernels.interface import CpuKernels
+from pagedllm.runner.block_table import BlockTables
 from pagedllm.runner.kv_cache import apply_block_ops
-from pagedllm.sampler import Sampler, SamplerOutput
-from pagedllm.scheduler import SchedulerOutput
+from pagedllm.runner.seq_state import SeqState
+from pagedllm.sampler import Sampler
+from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.utils import cdiv
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class ModelRunner:
-    # Host-memory KV cache for preemption by swapping (set by the engine when swapping is on).
-    host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        kv_manager: KVCacheManager,
+        kv_caches: KVCaches,
         block_size: int,
+        max_model_len: int,
         device: torch.device,
         seed: int = 0,
-        cpu_kernels=None,
+        kernels: CpuKernels | None = None,
+        host_kv_caches: KVCaches | None = None,
     ) -> None:
-        """``cpu_kernels``: the compiled CPU kernel module (pagedllm.kernels), or None for the reference."""
+        """``kernels``: the compiled CPU kernels, or None for the PyTorch reference path.
+        ``host_kv_caches``: the host-memory KV pool's tensors when preemption may swap."""
         self.model = model
         self.kv_caches = kv_caches
-        self.kv = kv_manager
+        self.host_kv_caches = host_kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(seed, cpu_kernels.argmax_rows if cpu_kernels is not None else None)
-        self.decode_kernel = cpu_kernels.paged_decode_attention if cpu_kernels is not None else None
+        self.states: dict[str, SeqState] = {}
+        self.block_tables = BlockTables(cdiv(max_model_len, block_size))
+        self.sampler = Sampler(seed, kernels.argmax_rows if kernels is not None else None)
+        self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         self.prefill_kernel = None
-        if cpu_kernels is not None and kv_caches and kv_caches[0][0].dtype == torch.bfloat16:
-            if cpu_kernels.prefill_attention_available(model.head_dim, block_size):
-                self.prefill_kernel = cpu_kernels.paged_prefill_attention
+        if kernels is not None and kv_caches and kv_caches[0][0].dtype == torch.bfloat16:
+            if kernels.prefill_attention_available(model.head_dim, block_size):
+                self.prefill_kernel = kernels.paged_prefill_attention
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        """Runs the step; returns the requests that sampled (in order) and their samples."""
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step; returns the samples of the sequences that reached their last token."""
+        self.update_states(sched)
         self.apply_block_ops(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput.empty()
         input_ids, positions, meta, sample_rows, sampling = self._prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampling:
-            return [], None
+            return ModelRunnerOutput.empty()
+        seq_ids = [s.seq_id for s in sampling]
         hidden = hidden[sample_rows]
         if self.sampler.argmax_only(sampling):
             ids = self.model.greedy_tokens(hidden)
             if ids is not None:
-                return sampling, SamplerOutput.of_tokens(ids.tolist())
+                n = len(seq_ids)
+                return ModelRunnerOutput(seq_ids, ids.tolist(), [None] * n, [None] * n)
         logits = self.model.compute_logits(hidden)
-        # Sampling runs on the host: per-request torch.Generators are CPU generators.
-        return sampling, self.sampler(logits.cpu(), sampling)
+        # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
+        out = self.sampler(logits.cpu(), sampling)
+        return ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs)
+
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Brings the runner's sequences and block tables up to date with the scheduler's view."""
+        for seq_id in sched.finished_seq_ids:
+            self.states.pop(seq_id, None)
+            self.block_tables.remove(seq_id)
+        for seq_id in sched.preempted_seq_ids:
+            self.block_tables.remove(seq_id)  # its generator stays: it draws on when it is back
+        for new in sched.new_seqs:
+            state = self.states.get(new.seq_id)
+            if state is None:
+                prompt = new.token_ids[: new.num_prompt_tokens]
+                state = self.states[new.seq_id] = SeqState(new.seq_id, prompt, new.sampling_params, new.seed)
+            state.reset_tokens(new.token_ids, new.num_prompt_tokens)
+            state.num_computed_tokens = new.num_computed_tokens
+            self.block_tables.set(new.seq_id, new.block_ids)
+        for c in sched.cached_seqs:
+            state = self.states[c.seq_id]
+            state.all_token_ids.extend(c.new_token_ids)
+            state.num_computed_tokens = c.num_computed_tokens
+            self.block_tables.update(c.seq_id, c.new_block_ids, c.replaced_blocks)
 
     @torch.inference_mode()
     def apply_block_ops(self, sched: SchedulerOutput) -> None:
@@ -68,49 +102,46 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size
         dev = self.device
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        tables = self.block_tables
+        scheduled = [(self.states[sid], n) for sid, n in sched.num_scheduled_tokens.items()]
+        decodes = [s for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n > 1]
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
-        sampling: list[Request] = []
+        sampling: list[SeqState] = []
 
         # Decodes: one row each, attending through a padded block-table matrix.
         nd = len(decodes)
         decode_bt = decode_lens = None
+        slot_parts = []
+        pos_parts = []
         if nd:
-            tables = []
-            lens = []
-            for s in decodes:
-                r = s.request
-                pos = r.num_computed_tokens
-                table = self.kv.block_table(r.request_id)
-                tokens.append(r.all_token_ids[pos])
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                lens.append(pos + 1)
-                tables.append(table[: pos // bs + 1])
-            max_blocks = max(len(t) for t in tables)
-            decode_bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=dev)
-            decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+            pos = [s.num_computed_tokens for s in decodes]
+            tokens.extend(s.all_token_ids[p] for s, p in zip(decodes, pos, strict=True))
+            rows = torch.tensor([tables.row(s.seq_id) for s in decodes], dtype=torch.long)
+            width = max(p // bs for p in pos) + 1
+            decode_bt = tables.table[rows, :width]
+            pos_t = torch.tensor(pos, dtype=torch.long)
+            slot_parts.append(decode_bt.gather(1, (pos_t // bs).unsqueeze(1)).squeeze(1) * bs + pos_t % bs)
+            pos_parts.append(pos_t)
+            decode_lens = (pos_t + 1).to(dev)
+            decode_bt = decode_bt.to(dev)
             for i, s in enumerate(decodes):
-                if s.samples:
+                if s.num_computed_tokens + 1 == s.num_tokens:
                     sample_rows.append(i)
-                    sampling.append(s.request)
+                    sampling.append(s)
 
         # Prefill chunks: a contiguous run of rows each.
         prefill_seqs = []
-        for s in prefills:
-            r = s.request
-            start, n = r.num_computed_tokens, s.num_new_tokens
+        for s, n in prefills:
+            start = s.num_computed_tokens
             end = start + n
-            table = self.kv.block_table(r.request_id)
+            row = tables.table[tables.row(s.seq_id)]
             q_start = len(tokens)
-            tokens.extend(r.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            num_blocks = -(-end // bs)
+            tokens.extend(s.all_token_ids[start:end])
+            p = torch.arange(start, end, dtype=torch.long)
+            pos_parts.append(p)
+            slot_parts.append(row[p // bs] * bs + p % bs)
             mask = None
             if start > 0 and self.prefill_kernel is None:  # the kernel masks by positions itself
                 # Query i (position start + i) sees keys 0..start + i.
@@ -121,16 +152,16 @@ class ModelRunner:
                     query_start=q_start,
                     query_len=n,
                     seq_len=end,
-                    block_ids=torch.tensor(table[:num_blocks], dtype=torch.long, device=dev),
+                    block_ids=row[: cdiv(end, bs)].to(dev),
                     mask=mask,
                 )
             )
-            if s.samples:
+            if end == s.num_tokens:
                 sample_rows.append(q_start + n - 1)
-                sampling.append(r)
+                sampling.append(s)
 
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.cat(slot_parts).to(dev),
             num_decodes=nd,
             decode_block_tables=decode_bt,
             decode_seq_lens=decode_lens,
@@ -139,6 +170,6 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, pos_t, meta, rows, sampling
+        positions = torch.cat(pos_parts).to(dev)
+        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, rows_t, sampling

@@ -1,0 +1,171 @@
+"""Builds what an engine runs on from an EngineConfig: model (+ CPU kernels), tokenizer, KV cache
+sized to the memory given, the KV manager, the swap pool, the scheduler and the runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.host_memory import keep_freed_memory_in_heap
+from pagedllm.kernels.interface import CpuKernels
+from pagedllm.kv.base import KVCacheManager
+from pagedllm.kv.factory import make_kv_manager
+from pagedllm.models.llama import sliding_window
+from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
+from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
+from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.scheduler import Scheduler
+from pagedllm.tokenizer import load_tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    model_path: str
+    hf_config: object
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: object
+    eos_token_ids: set[int]
+    kernels: CpuKernels | None
+    num_kv_blocks: int
+    num_swap_blocks: int
+    kv_manager: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    from pagedllm.models.resolve import resolve_model_path
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
+    model_path = resolve_model_path(config.model)
+    hf_config = load_hf_config(model_path)
+    max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    t0 = time.perf_counter()
+    kernels = None
+    if device.type == "cpu":
+        keep_freed_memory_in_heap()
+        if config.attention_backend == "auto":
+            from pagedllm.kernels import load_cpu_kernels
+
+            kernels = load_cpu_kernels()
+    model = load_model(model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels)
+    tokenizer = load_tokenizer(config.tokenizer or model_path)
+
+    num_layers = len(model.layers)
+    per_block = kv_bytes_per_block(num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
+    num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(config.kv_cache_memory_gib, per_block)
+    if num_kv_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_gib={config.kv_cache_memory_gib} is less than one KV block ({per_block} bytes)."
+        )
+
+    def caches(num_blocks: int, dev: torch.device):
+        return allocate_kv_cache(
+            num_layers, num_blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, dev
+        )
+
+    kv_caches = caches(num_kv_blocks, device)
+    kv_manager = make_kv_manager(config, num_kv_blocks, max_model_len)
+    num_swap_blocks = _enable_swap(config, kv_manager, per_block)
+    # Pinned host memory would make device->host copies asynchronous on CUDA; CPU: plain.
+    host_caches = caches(num_swap_blocks, torch.device("cpu")) if num_swap_blocks else None
+    scheduler = Scheduler(config, kv_manager, max_model_len)
+    runner = ModelRunner(model, kv_caches, config.block_size, max_model_len, device, config.seed, kernels, host_caches)
+    logger.info(
+        "pagedllm: %s (%s) on %s, %s; KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), "
+        "max_model_len %d; ready in %.1fs",
+        model_path,
+        type(model).__name__,
+        device,
+        str(dtype).removeprefix("torch."),
+        num_kv_blocks,
+        config.block_size,
+        num_kv_blocks * config.block_size,
+        num_kv_blocks * per_block / 2**30,
+        max_model_len,
+        time.perf_counter() - t0,
+    )
+    return EngineParts(
+        config,
+        model_path,
+        hf_config,
+        max_model_len,
+        dtype,
+        device,
+        model,
+        tokenizer,
+        eos_token_ids(hf_config, tokenizer, model_path),
+        kernels,
+        num_kv_blocks,
+        num_swap_blocks,
+        kv_manager,
+        scheduler,
+        runner,
+    )
+
+
+def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_block: int) -> int:
+    """Gives the manager a host-memory pool when the preemption mode may swap; its size in blocks."""
+    if config.preemption_mode == "recompute":
+        return 0
+    num_host = config.num_swap_blocks
+    if num_host is None:
+        num_host = num_blocks_for_memory(config.swap_space_gib, bytes_per_block)
+    if num_host < 1:
+        if config.preemption_mode == "swap":
+            raise ValueError(
+                f"preemption_mode='swap' needs host memory: swap_space_gib="
+                f"{config.swap_space_gib} is less than one KV block ({bytes_per_block} bytes)."
+            )
+        return 0
+    try:
+        kv_manager.enable_swap(num_host)
+    except NotImplementedError as e:
+        if config.preemption_mode == "swap":
+            raise ValueError(f"preemption_mode='swap' needs kv_layout='paged' ({e}).") from e
+        return 0  # "auto": this layout only recomputes
+    return num_host
+
+
+def resolve_max_model_len(hf_config, wanted: int | None) -> int:
+    model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = sliding_window(hf_config)
+    if window is not None and window < model_len:
+        logger.warning("sliding window %d < context %d: max_model_len capped at the window", window, model_len)
+        model_len = window
+    if wanted is None:
+        return model_len
+    if wanted > model_len:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's context length ({model_len}).")
+    return wanted
+
+
+def eos_token_ids(hf_config, tokenizer, model_path: str) -> set[int]:
+    """Every token id that ends generation: the config's, the tokenizer's, generation_config's."""
+    ids: set[int] = set()
+    for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    try:
+        from transformers import GenerationConfig
+
+        e = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update([e] if isinstance(e, int) else (e or []))
+    except Exception:  # no generation_config.json: the config's and tokenizer's EOS suffice
+        pass
+    return ids

@@ -1,0 +1,64 @@
+"""EngineCore: the step loop over sequences, scheduler and runner joined by their plain-data
+contract. Requests, groups (n > 1, beams), detokenization and outputs live above it (LLMEngine).
+
+    SchedulerOutput = scheduler.schedule()           # plain data: ids, counts, blocks, block ops
+    ModelRunnerOutput = runner.execute(it)           # the runner's own state + the forward + sampling
+    samples = scheduler.update_from_output(both)     # append, stop checks, free, prefix cache
+
+Its primitives are the ones the group layer builds on: add a sequence, fork one (the child
+shares the parent's KV blocks, copy-on-write), append a token an owner chose, finish one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.scheduler import SampledToken, Scheduler
+from pagedllm.scheduler_output import SchedulerOutput
+from pagedllm.sequence import Sequence, SequenceStatus
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        # Called with every SchedulerOutput before the runner executes it (benchmarks sample
+        # KV memory there: the memory the step runs with).
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
+        self.num_steps = 0  # steps that ran the model
+
+    def add_seq(self, seq: Sequence) -> None:
+        self.scheduler.add_seq(seq)
+
+    def fork_seq(
+        self, parent: Sequence, child_id: str, num_tokens: int | None = None, seed: int | None = None
+    ) -> Sequence:
+        """A new sequence holding ``parent``'s first ``num_tokens`` tokens (all if None), sharing
+        its blocks. A child left with nothing to run runs its last token again and so samples
+        its own next token (n > 1 forks at the prompt)."""
+        child = parent.fork(child_id, num_tokens, seed)
+        self.scheduler.fork_seq(parent, child)
+        return child
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        self.scheduler.append_token(seq, token_id)
+
+    def finish_seq(self, seq_id: str, status: SequenceStatus) -> None:
+        self.scheduler.finish_seq(seq_id, status)
+
+    def has_unfinished_seqs(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def step(self) -> list[SampledToken]:
+        sched = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(sched)
+        try:
+            sampled = self.runner.execute(sched)
+        except BaseException:
+            self.scheduler.on_step_failed(sched)
+            raise
+        if not sched.is_empty:
+            self.num_steps += 1
+        return self.scheduler.update_from_output(sched, sampled)

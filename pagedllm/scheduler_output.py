@@ -1,0 +1,76 @@
+"""The plain data that crosses from the scheduler to the model runner and back, once per step.
+
+Only ids, counts and token ids: no tensors, no KV manager, no sequence objects. The runner keeps
+its own per-sequence state (tokens, block table, random generator) and updates it from this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.kv.base import BlockOp
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSequenceData:
+    """A sequence the runner holds no block table for: first scheduled, or back after being
+    preempted or swapped (its blocks moved). Its whole state comes along."""
+
+    seq_id: str
+    token_ids: list[int]  # every known token: prompt + generated
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    seed: int | None
+
+
+@dataclass
+class CachedSequenceData:
+    """A sequence the runner already holds: what changed since it was last scheduled."""
+
+    seq_id: str
+    new_token_ids: list[int]  # tokens appended since (the token sampled last step, or a beam's pick)
+    new_block_ids: list[int]  # blocks appended to its table
+    # (index in the table, new block): a shared block replaced by its copy (copy-on-write)
+    replaced_blocks: list[tuple[int, int]]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    cached_seqs: list[CachedSequenceData] = field(default_factory=list)
+    # seq id -> tokens it runs this step: token_ids[num_computed : num_computed + n]
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Block copies (copy-on-write) and swaps to execute before the forward, in this order.
+    block_ops: list[BlockOp] = field(default_factory=list)
+    # Sequences gone since the last step: the runner drops their state.
+    finished_seq_ids: set[str] = field(default_factory=set)
+    # Sequences whose blocks were taken (preempted): the runner drops their block tables but
+    # keeps their generators, so a seeded sequence draws on where it left off.
+    preempted_seq_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner sampled: one row per sequence that reached the end of its known tokens."""
+
+    seq_ids: list[str]
+    token_ids: list[int]
+    # log p(token) under the raw model distribution; None where not asked for
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]  # token id -> logprob (chosen + top-N)
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls([], [], [], [])
