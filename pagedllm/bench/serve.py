@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import logging
 import math
@@ -28,49 +27,21 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedllm.bench.workloads import load_workload
+
 DEFAULT_VOCAB = 49152  # the anchors' tokenizer (SmolLM2); pass the model's own with --vocab-size
 
 
 # ---- workloads ---------------------------------------------------------------------------
-def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
-
-
-# name -> (prompt median, sigma, lo, hi, output median, sigma, lo, hi); sharegpt is make_workload.py's
-_FALLBACK_DISTS = {
-    "sharegpt": (150, 0.9, 16, 1024, 150, 0.8, 16, 512),
-    "alpaca": (16, 0.6, 4, 256, 42.5, 0.8, 4, 512),
-}
-
-
-def _fallback_workload(name: str, num_prompts: int, seed: int, vocab_size: int) -> list[dict]:
-    """Used only when pagedllm.bench.workloads is missing: same RNG calls as make_workload.py."""
-    if name in _FALLBACK_DISTS:
-        pm, ps, plo, phi, om, os_, olo, ohi = _FALLBACK_DISTS[name]
-        rng = random.Random(seed)
-        reqs = []
-        for _ in range(num_prompts):
-            plen = _lognormal_int(rng, pm, ps, plo, phi)
-            olen = _lognormal_int(rng, om, os_, olo, ohi)
-            reqs.append(
-                {"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(plen)], "max_tokens": olen}
-            )
-        return reqs
-    with open(name) as fh:
-        data = json.load(fh)
-    entries = data["requests"] if isinstance(data, dict) else data
-    return [dict(e) for e in entries[:num_prompts]]
-
-
 def load_requests(args: argparse.Namespace) -> list[dict]:
-    try:
-        from pagedllm.bench.workloads import load_workload
-    except ImportError:
-        return _fallback_workload(args.workload, args.num_prompts, args.seed, args.vocab_size)
-    kwargs = {"vocab_size": args.vocab_size, "input_len": args.input_len, "output_len": args.output_len}
-    accepted = inspect.signature(load_workload).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted and v is not None}
-    return load_workload(args.workload, args.num_prompts, args.seed, **kwargs)
+    return load_workload(
+        args.workload,
+        args.num_prompts,
+        args.seed,
+        args.vocab_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+    )
 
 
 # ---- the client --------------------------------------------------------------------------
