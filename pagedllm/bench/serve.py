@@ -120,9 +120,7 @@ async def benchmark(
 ) -> tuple[list[RequestResult], float, str]:
     """Sends every request with Poisson arrivals; returns (results in order, duration s, model)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(
-        max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or 512
-    )
+    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or 512)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits) as client:
         if model is None:  # ask the server which model it serves
             r = await client.get("/v1/models", headers=headers)
@@ -200,9 +198,7 @@ def markdown_table(s: dict) -> str:
     lines = ["| metric | value |", "| --- | ---: |"] + [f"| {k} | {f(v)} |" for k, v in rows]
     lines += ["", "| latency (ms) | mean | median | p99 |", "| --- | ---: | ---: | ---: |"]
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
-        lines.append(
-            f"| {label} | {f(s[f'mean_{key}_ms'])} | {f(s[f'median_{key}_ms'])} | {f(s[f'p99_{key}_ms'])} |"
-        )
+        lines.append(f"| {label} | {f(s[f'mean_{key}_ms'])} | {f(s[f'median_{key}_ms'])} | {f(s[f'p99_{key}_ms'])} |")
     return "\n".join(lines)
 
 
@@ -210,9 +206,7 @@ def markdown_table(s: dict) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    parser.add_argument(
-        "--api-key", default=None, help="bearer key (default: $PAGEDLLM_API_KEY / $OPENAI_API_KEY)"
-    )
+    parser.add_argument("--api-key", default=None, help="bearer key (default: $PAGEDLLM_API_KEY / $OPENAI_API_KEY)")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -229,12 +223,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_VOCAB,
         help="random prompt ids are drawn from [3, vocab) (synthetic workloads)",
     )
-    parser.add_argument(
-        "--input-len", type=int, default=None, help="fixed prompt length (synthetic workloads)"
-    )
-    parser.add_argument(
-        "--output-len", type=int, default=None, help="fixed output length (synthetic workloads)"
-    )
+    parser.add_argument("--input-len", type=int, default=None, help="fixed prompt length (synthetic workloads)")
+    parser.add_argument("--output-len", type=int, default=None, help="fixed output length (synthetic workloads)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--result-json", default=None, help="write the results here")
 
