@@ -1,7 +1,7 @@
 """Host allocator set-up for CPU serving: tcmalloc when present, else a tuned glibc.
 
 With tcmalloc preloaded the 200-request ShareGPT run takes 53.7-54.3 s against 59.0 s with
-glibc + the mallopt below (same session): tcmalloc recycles the per-step tensors without the
+glibc + the mallopt below (same machine, same hour): tcmalloc recycles the per-step tensors without the
 kernel. A process cannot preload a library into itself, so the ``pagedllm`` command re-executes
 itself once with LD_PRELOAD set when libtcmalloc is installed (vLLM's CPU docs ask users to set
 it by hand). Python-API users can set LD_PRELOAD themselves.
@@ -97,7 +97,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     block read misses the TLB (a 4 GiB cache spans a million pages), and the page walk delays the
     prefetches that keep the attention kernel fed. With 2 MiB pages the decode attention kernel
     ran ~10% faster (3.36 -> 3.03 ms per layer, 200 x 300 tokens) and the 200-request ShareGPT run
-    took 47.6 s instead of 51.5 s (back to back, same session). THP's default mode on many
+    took 47.6 s instead of 51.5 s (back to back, same machine). THP's default mode on many
     distributions is "madvise", so it has to be asked for. Call before the pages are first
     touched. Returns False where unsupported (not Linux, not a CPU tensor, madvise refused) or
     turned off with PAGEDLLM_NO_HUGE_PAGES=1.

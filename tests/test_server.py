@@ -483,14 +483,3 @@ def test_stats_clean_after_module(server):
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"] == 256
     assert s["num_step_errors"] == 0
     assert "Traceback" not in server.log_tail(100_000)
-
-
-def test_bench_fallback_workload_matches_anchors():
-    # Used when pagedllm.bench.workloads is absent: must reproduce ../shared/anchors/make_workload.py
-    # (its README: 200 requests, seed 0 -> 36,737 prompt + 40,072 output tokens).
-    from pagedllm.bench.serve import _fallback_workload
-
-    w = _fallback_workload("sharegpt", 200, 0, 49152)
-    assert sum(len(r["prompt_token_ids"]) for r in w) == 36737
-    assert sum(r["max_tokens"] for r in w) == 40072
-    assert all(3 <= t < 49152 for r in w for t in r["prompt_token_ids"])

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,13 +18,40 @@ from pagedllm.bench.workloads import add_workload_args, load_workload, workload_
 def test_sharegpt_matches_the_anchor_totals():
     reqs = load_workload("sharegpt", 200)
     s = workload_summary(reqs)
-    # ../shared/anchors/make_workload.py -n 200: 36,737 prompt + 40,072 output tokens
+    # benchmarks/anchors/make_workload.py -n 200: 36,737 prompt + 40,072 output tokens
     assert (s["num_requests"], s["prompt_tokens_total"], s["output_tokens_total"]) == (200, 36737, 40072)
     assert all(16 <= len(r["prompt_token_ids"]) <= 1024 and 16 <= r["max_tokens"] <= 512 for r in reqs)
     assert all(3 <= t < 49152 for r in reqs for t in r["prompt_token_ids"])
     # a shorter run is a prefix of a longer one (requests do not depend on num_prompts)
     assert load_workload("sharegpt", 20) == reqs[:20]
     assert load_workload("sharegpt", None) == reqs
+
+
+# sha256 of the canonical JSON (see _digest) of the sharegpt workload, 200 requests, seed 0, vocab
+# 49152: the anchors' defaults (benchmarks/anchors/make_workload.py OUT.json -n 200 gives the same
+# requests). Every committed CPU speed measurement ran on this workload: if the digest changes,
+# they no longer describe what `--workload sharegpt` runs.
+SHAREGPT_200_SHA256 = "1d709a0f11bb194e1d19ed56a4a0a0717011512633c91f8ecdf3c896f9007f99"
+ANCHORS = Path(__file__).resolve().parents[1] / "benchmarks" / "anchors"
+
+
+def _digest(requests: list[dict]) -> str:
+    canon = [{"prompt_token_ids": list(r["prompt_token_ids"]), "max_tokens": int(r["max_tokens"])} for r in requests]
+    return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_sharegpt_matches_the_committed_checksum():
+    assert _digest(load_workload("sharegpt", 200, seed=0, vocab_size=49152)) == SHAREGPT_200_SHA256
+
+
+def test_anchors_generator_matches_the_committed_checksum(tmp_path):
+    out = tmp_path / "workload-200.json"
+    subprocess.run(
+        [sys.executable, str(ANCHORS / "make_workload.py"), str(out), "-n", "200"],
+        check=True,
+        capture_output=True,
+    )
+    assert _digest(json.loads(out.read_text())["requests"]) == SHAREGPT_200_SHA256
 
 
 def test_seed_and_vocab():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import logging
 import math
@@ -28,49 +27,21 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedllm.bench.workloads import load_workload
+
 DEFAULT_VOCAB = 49152  # the anchors' tokenizer (SmolLM2); pass the model's own with --vocab-size
 
 
 # ---- workloads ---------------------------------------------------------------------------
-def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
-
-
-# name -> (prompt median, sigma, lo, hi, output median, sigma, lo, hi); sharegpt is make_workload.py's
-_FALLBACK_DISTS = {
-    "sharegpt": (150, 0.9, 16, 1024, 150, 0.8, 16, 512),
-    "alpaca": (16, 0.6, 4, 256, 42.5, 0.8, 4, 512),
-}
-
-
-def _fallback_workload(name: str, num_prompts: int, seed: int, vocab_size: int) -> list[dict]:
-    """Used only when pagedllm.bench.workloads is missing: same RNG calls as make_workload.py."""
-    if name in _FALLBACK_DISTS:
-        pm, ps, plo, phi, om, os_, olo, ohi = _FALLBACK_DISTS[name]
-        rng = random.Random(seed)
-        reqs = []
-        for _ in range(num_prompts):
-            plen = _lognormal_int(rng, pm, ps, plo, phi)
-            olen = _lognormal_int(rng, om, os_, olo, ohi)
-            reqs.append(
-                {"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(plen)], "max_tokens": olen}
-            )
-        return reqs
-    with open(name) as fh:
-        data = json.load(fh)
-    entries = data["requests"] if isinstance(data, dict) else data
-    return [dict(e) for e in entries[:num_prompts]]
-
-
 def load_requests(args: argparse.Namespace) -> list[dict]:
-    try:
-        from pagedllm.bench.workloads import load_workload
-    except ImportError:
-        return _fallback_workload(args.workload, args.num_prompts, args.seed, args.vocab_size)
-    kwargs = {"vocab_size": args.vocab_size, "input_len": args.input_len, "output_len": args.output_len}
-    accepted = inspect.signature(load_workload).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted and v is not None}
-    return load_workload(args.workload, args.num_prompts, args.seed, **kwargs)
+    return load_workload(
+        args.workload,
+        args.num_prompts,
+        args.seed,
+        args.vocab_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+    )
 
 
 # ---- the client --------------------------------------------------------------------------
@@ -149,9 +120,7 @@ async def benchmark(
 ) -> tuple[list[RequestResult], float, str]:
     """Sends every request with Poisson arrivals; returns (results in order, duration s, model)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(
-        max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or 512
-    )
+    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=max_concurrency or 512)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits) as client:
         if model is None:  # ask the server which model it serves
             r = await client.get("/v1/models", headers=headers)
@@ -229,9 +198,7 @@ def markdown_table(s: dict) -> str:
     lines = ["| metric | value |", "| --- | ---: |"] + [f"| {k} | {f(v)} |" for k, v in rows]
     lines += ["", "| latency (ms) | mean | median | p99 |", "| --- | ---: | ---: | ---: |"]
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
-        lines.append(
-            f"| {label} | {f(s[f'mean_{key}_ms'])} | {f(s[f'median_{key}_ms'])} | {f(s[f'p99_{key}_ms'])} |"
-        )
+        lines.append(f"| {label} | {f(s[f'mean_{key}_ms'])} | {f(s[f'median_{key}_ms'])} | {f(s[f'p99_{key}_ms'])} |")
     return "\n".join(lines)
 
 
@@ -239,9 +206,7 @@ def markdown_table(s: dict) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    parser.add_argument(
-        "--api-key", default=None, help="bearer key (default: $PAGEDLLM_API_KEY / $OPENAI_API_KEY)"
-    )
+    parser.add_argument("--api-key", default=None, help="bearer key (default: $PAGEDLLM_API_KEY / $OPENAI_API_KEY)")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -258,12 +223,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_VOCAB,
         help="random prompt ids are drawn from [3, vocab) (synthetic workloads)",
     )
-    parser.add_argument(
-        "--input-len", type=int, default=None, help="fixed prompt length (synthetic workloads)"
-    )
-    parser.add_argument(
-        "--output-len", type=int, default=None, help="fixed output length (synthetic workloads)"
-    )
+    parser.add_argument("--input-len", type=int, default=None, help="fixed prompt length (synthetic workloads)")
+    parser.add_argument("--output-len", type=int, default=None, help="fixed output length (synthetic workloads)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--result-json", default=None, help="write the results here")
 

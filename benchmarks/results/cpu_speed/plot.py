@@ -1,7 +1,10 @@
-"""Bar charts of this folder's side-by-side runs: offline throughput and batch-size-1 latency."""
+"""speed.png from results.json: output tok/s of vLLM and pagedllm per alternating round (every set),
+with the host's page-aging tax measured just before each round, and the median ratio per set.
+
+    python3 plot.py   (reads and writes this folder)
+"""
 
 import json
-import statistics
 from pathlib import Path
 
 import matplotlib
@@ -9,46 +12,32 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-here = Path(__file__).parent
-ours = [json.loads(line) for line in (here / "results.jsonl").open()]
-anchors = [json.loads(line) for line in (here / "anchors.jsonl").open()]
-thr = [r for r in ours if r["bench"] == "throughput"][-1]  # the newest: with tcmalloc
-lat = next(r for r in ours if r["bench"] == "latency")
-vllm = [r for r in anchors if r["label"].startswith("bind0-1+preload run") and "drift" not in r["label"]]
-vllm_bs1 = [r for r in anchors if r["label"].startswith("bs1-bind0-1+preload")]
-hf8 = next(r for r in anchors if r["label"] == "hf bs8")
-hf1 = next(r for r in anchors if r["label"] == "hf bs1")
+here = Path(__file__).resolve().parent
+result = json.loads((here / "results.json").read_text())
+rounds = [(k, r) for k, s in enumerate(result["sets"], 1) for r in s["rounds"]]
 
-fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-drift = next(r for r in anchors if "drift" in r["label"])
-names = [
-    "pagedllm\n(+tcmalloc)",
-    "vLLM CPU 0.32.0\nruns 1-3",
-    "vLLM run 4\n(right after)",
-    "HF generate\nstatic batch 8",
-]
-vals = [
-    thr["output_tok_s"],
-    statistics.median(r["output_tok_s"] for r in vllm),
-    drift["output_tok_s"],
-    hf8["output_tok_s"],
-]
-a.bar(names, vals, color=["tab:blue", "tab:orange", "tab:orange", "tab:gray"])
-a.set_ylabel("output tokens / s (median of 3; HF: first 32 requests)")
-a.set_title("200 ShareGPT requests, SmolLM2-135M bf16, 2 cores")
-for i, v in enumerate(vals):
-    a.text(i, v, f"{v:.0f}", ha="center", va="bottom")
-names = ["pagedllm", "vLLM CPU\nmax_num_seqs=1", "HF generate\neager bf16"]
-vals = [
-    lat["ms_per_output_token"],
-    statistics.median(r["ms_per_output_token"] for r in vllm_bs1),
-    hf1["ms_per_output_token"],
-]
-b.bar(names, vals, color=["tab:blue", "tab:orange", "tab:gray"])
-b.set_ylabel("ms per output token (lower is better)")
-b.set_title("batch size 1, first 10 requests")
-for i, v in enumerate(vals):
-    b.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+fig, ax = plt.subplots(figsize=(9, 4))
+width = 0.38
+xs = range(len(rounds))
+vllm = [r["vllm"]["output_tok_s"] for _, r in rounds]
+ours = [r["pagedllm"]["output_tok_s"] for _, r in rounds]
+ax.bar([x - width / 2 for x in xs], vllm, width, label="vLLM 0.32.0 CPU (best config)")
+ax.bar([x + width / 2 for x in xs], ours, width, label="pagedllm")
+for x, v, o in zip(xs, vllm, ours, strict=True):
+    ax.text(x + width / 2, o + 8, f"{o / v:.2f}x", ha="center", fontsize=9)
+
+
+def tick(k: int, r: dict) -> str:
+    tax = r["host_tax_us_per_page_s"]
+    return f"set {k} round {r['round']}" + ("" if tax is None else f"\nhost tax {tax} us/page/s")
+
+
+ax.set_xticks(list(xs), [tick(k, r) for k, r in rounds], fontsize=8)
+ax.set_ylabel("output tokens / s")
+medians = ", ".join(f"set {k}: {s['median_output_tok_s']['ratio']:.2f}x" for k, s in enumerate(result["sets"], 1))
+ax.set_title(f"200-request workload, strictly alternating rounds (medians of 3: {medians})", fontsize=10)
+ax.set_ylim(0, 1.25 * max(ours))
+ax.legend(loc="upper left", ncol=2, fontsize=9)
 fig.tight_layout()
 fig.savefig(here / "speed.png", dpi=110)
 print("wrote", here / "speed.png")

@@ -16,10 +16,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     to_sampling_params,
 )
-from pagedllm.entrypoints.openai.serving_completion import (
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+from pagedllm.entrypoints.openai.streaming import (
     AbortOnCloseStreamingResponse,
     ClientDisconnected,
-    OpenAIServing,
     _ChoiceState,
     abort_all,
     chunk_writer,

@@ -1,0 +1,154 @@
+"""OpenAIServing: what the completions and chat endpoints share.
+
+The model-name check, tokenization off the event loop, adding a request's prompts to the engine
+all-or-nothing, collecting their final outputs (aborting on client disconnect), logprob
+formatting and usage counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.entrypoints.openai.protocol import _FIELDS, APIError, error_from_value_error
+from pagedllm.entrypoints.openai.streaming import ClientDisconnected, abort_all, merge_streams, sse, wait_for_disconnect
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+class OpenAIServing:
+    """State and helpers common to the OpenAI endpoints."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: list[str],
+        tokenizer: Any,
+        decode_tokenizer: Any,
+        tokenizer_pool: ThreadPoolExecutor,
+    ) -> None:
+        # Separate tokenizer instances: a HF fast tokenizer must not be used from two threads at once
+        # (the engine thread decodes with its own; `tokenizer` runs on the one-thread pool;
+        # `decode_tokenizer` decodes logprob tokens on the event loop).
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = tokenizer
+        self.decode_tokenizer = decode_tokenizer
+        self.pool = tokenizer_pool
+        self.max_model_len: int = engine.engine.max_model_len
+        # No token covers more characters than the longest vocabulary entry (byte-level BPE entries
+        # are at least as long as their text), so a text longer than this many characters per token
+        # of context cannot fit: reject it before tokenizing, which for megabytes takes many seconds.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=16)
+        self.max_prompt_chars = 2 * max(longest, 1) * self.max_model_len
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name == "":
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise APIError(
+                f"The model `{name}` does not exist. Served: {', '.join(self.served_model_names)}.",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+    async def in_tokenizer_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Tokenizer work off the event loop: a long prompt takes a while to encode."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenizes (in the tokenizer thread); a text too long to fit any tokenization is a 400."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(
+                f"The prompt is {len(text)} characters long: more than the {self.max_model_len} tokens "
+                f"of this model's maximum context length could hold (at most {self.max_prompt_chars} "
+                "characters).",
+                code="context_length_exceeded",
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server, lives as long
+    def token_str(self, token_id: int) -> str:
+        return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def add_requests(
+        self, request_id: str, prompts: list[dict], params: SamplingParams, arrival_time: float
+    ) -> list[RequestStream]:
+        """Adds one engine request per prompt, all or nothing; bad input becomes a 400."""
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, p, params, arrival_time))
+        except BaseException as e:
+            abort_all(streams)
+            if isinstance(e, (ValueError, TypeError)):
+                err = error_from_value_error(e, _FIELDS)
+                if len(prompts) > 1 and err.param is None:
+                    err.message = f"Prompt {len(streams)}: {err.message}"
+                raise err from e
+            if isinstance(e, NotImplementedError):
+                raise APIError(str(e), 400) from e
+            if isinstance(e, EngineDeadError):
+                raise APIError(str(e), 503) from e
+            raise
+        return streams
+
+    async def collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+        """The final output of every stream; aborts them all if the client disconnects first."""
+
+        async def run() -> list[RequestOutput]:
+            finals: list[RequestOutput | None] = [None] * len(streams)
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+            if any(f is None or not f.finished for f in finals):
+                raise ClientDisconnected  # aborted under us
+            return finals  # type: ignore[return-value]
+
+        task = asyncio.create_task(run())
+        watcher = asyncio.create_task(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                try:
+                    return task.result()
+                except (RequestFailedError, EngineDeadError) as e:
+                    raise APIError(str(e), 500) from e
+            logger.info("client disconnected: aborting %s", ", ".join(s.request_id for s in streams))
+            raise ClientDisconnected
+        finally:
+            watcher.cancel()
+            task.cancel()
+            abort_all(streams)
+
+    def logprob(self, v: float) -> float:
+        return max(v, _LOGPROB_FLOOR) if v == v else _LOGPROB_FLOOR  # NaN -> floor
+
+    def top_entries(self, lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+        """The k most likely tokens of one position (the engine's dict also holds the chosen one)."""
+        return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    @staticmethod
+    def stream_error(e: Exception) -> str:
+        return sse(APIError(str(e), 500).to_dict())
