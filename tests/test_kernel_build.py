@@ -70,3 +70,22 @@ def test_paths_without_amx_also_run_on_amx_machines():
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tests.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's lock file; without this every later start waits forever."""
+    import time
+
+    from pagedllm import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age, kept in (("stale_build", 3600, False), ("live_build", 5, True)):
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+        t = time.time() - age
+        os.utime(lock, (t, t))
+        kernels._remove_stale_build_lock(name)
+        assert lock.exists() == kept

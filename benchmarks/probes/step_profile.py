@@ -26,8 +26,9 @@ execute = engine.runner.execute
 
 
 def timed_execute(sched):
-    decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
-    prefill = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
+    counts = sched.num_scheduled_tokens.values()
+    decodes = sum(1 for n in counts if n == 1)
+    prefill = sum(n for n in counts if n > 1)
     t = time.perf_counter()
     out = execute(sched)
     steps.append((time.perf_counter() - t, decodes, prefill))

@@ -27,8 +27,8 @@ class KVCacheStats:
     """A snapshot of KV memory, in token slots.
 
     used: slots holding a real token's K/V (shared slots counted once);
-    reserved: slots set aside for running seqs (used + allocated-but-not-yet-used);
-    free: slots not reserved; unusable_free: free slots no waiting seq could be given
+    reserved: slots set aside for running sequences (used + allocated-but-not-yet-used);
+    free: slots not reserved; unusable_free: free slots no waiting sequence could be given
     (external fragmentation: only the contiguous layouts have it).
     """
 
@@ -55,9 +55,9 @@ class KVCacheStats:
 class KVCacheManager(abc.ABC):
     """Maps each request's tokens to physical KV slots.
 
-    The scheduler calls ``allocate_slots`` before a seq runs ``num_new_tokens`` more tokens,
+    The scheduler calls ``allocate_slots`` before a sequence runs ``num_new_tokens`` more tokens,
     and ``free`` when it finishes or is preempted. The runner reads ``block_table``:
-    token position p of a seq lives in slot ``block_table[p // block_size] * block_size +
+    token position p of a sequence lives in slot ``block_table[p // block_size] * block_size +
     p % block_size`` of the physical cache.
     """
 

@@ -1,6 +1,6 @@
 """Baseline KV managers: one contiguous reservation per request (Orca / FasterTransformer style).
 
-At admission a seq reserves one run of consecutive blocks big enough for everything it may
+At admission a request reserves one run of consecutive blocks big enough for everything it may
 ever hold, chosen by ``reserve``:
 
 * ``max``:    max_model_len slots (the system cannot know the output length: reserve the worst case);
@@ -15,9 +15,9 @@ reservation is exposed through an ordinary block table ``[start, start + 1, ...]
 unchanged runner and paged attention read it; with ``block_size=1`` the reservation is exact to
 the token and the block table is a list of slot indices.
 
-There is no prefix caching and no growth: a seq never needs more than its reservation (if it
-did, that is a bug, and an assertion says so), so a running seq never fails allocate_slots
-and the contiguous layouts never preempt; a seq that does not fit waits in the queue.
+There is no prefix caching and no growth: a request never needs more than its reservation (if it
+did, that is a bug, and an assertion says so), so a running request never fails allocate_slots
+and the contiguous layouts never preempt; a request that does not fit waits in the queue.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         use. 0 otherwise: when nobody waits on memory, or when even a compacted cache would be too
         full for the head, which is then plain "free", as it is for the paged layout whose head
         waits for blocks. Internal fragmentation and not-yet-used reservation are both in
-        reserved - used (the benchmark separates them with each seq's final length).
+        reserved - used (the benchmark separates them with each request's final length).
         """
         bs = self.block_size
         total = self.num_blocks * bs

@@ -289,7 +289,7 @@ class PagedKVCacheManager(KVCacheManager):
             for b in table:
                 refs[b] += 1
         assert refs == self.pool.ref_cnt, "refcounts differ from the block tables' references"
-        assert not set(self._tables) & set(self._host_tables), "a seq is both on the device and swapped"
+        assert not set(self._tables) & set(self._host_tables), "a sequence is both on the device and swapped"
         if self.host_pool is not None:
             self.host_pool.check_invariants()
             refs = [0] * self.host_pool.num_blocks

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A/B of `pagedllm bench throughput` on the 200-request ShareGPT-like workload: the engine before
+# the scheduler -> runner contract change (OLD_REV) against this checkout, strictly alternating
+# single runs (old, new, old, new, ...), each under one flock so no other benchmark shares the cores.
+# Writes results.jsonl (one RESULT line per run), then results.json + README.md via summarize.py.
+#   bash benchmarks/results/architecture_ab/run_ab.sh          # ROUNDS=1 OLD_REV=026f007
+set -euo pipefail
+OLD_REV=${OLD_REV:-026f007}
+ROUNDS=${ROUNDS:-1}
+LOCK=${LOCK:-/tmp/pagedllm-bench.lock}
+NUM_PROMPTS=${NUM_PROMPTS:-200}
+OUT=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$OUT/../../.." && pwd)
+OLD=$(mktemp -d)/old
+git -C "$REPO" worktree add -q --detach "$OLD" "$OLD_REV"
+trap 'git -C "$REPO" worktree remove --force "$OLD"' EXIT
+: > "$OUT/results.jsonl"
+for round in $(seq "$ROUNDS"); do
+  for side in old new; do
+    dir=$REPO
+    [ "$side" = old ] && dir=$OLD
+    (cd "$dir" && flock "$LOCK" env PYTHONPATH="$dir" python3 -m pagedllm.entrypoints.cli bench throughput \
+      --workload sharegpt --num-prompts "$NUM_PROMPTS" --repeats 1 --label "$side $round" --no-save) \
+      | grep '^RESULT ' | sed 's/^RESULT //' >> "$OUT/results.jsonl"
+  done
+done
+python3 "$OUT/summarize.py" "$OUT" "$OLD_REV" "$(git -C "$REPO" rev-parse --short HEAD)"
