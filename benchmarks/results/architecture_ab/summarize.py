@@ -18,7 +18,8 @@ summary = {
 }
 (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
 rows = "\n".join(
-    f"| {r['label']} | {r['time']} | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['engine_steps']:.0f} |" for r in runs
+    f"| {r['label']} | {r['time']} | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['engine_steps']:.0f} |"
+    for r in runs
 )
 w = runs[0]["workload"]
 (out / "README.md").write_text(
