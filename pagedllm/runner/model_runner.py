@@ -52,8 +52,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs the step; returns the samples of the sequences that reached their last token."""
-        self.update_states(sched)
+        # Block moves first: the KV manager already counts them as done, so nothing that can
+        # raise (a bad state update) may come between the schedule and them.
         self.apply_block_ops(sched)
+        self.update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput.empty()
         input_ids, positions, meta, sample_rows, sampling = self._prepare(sched)
