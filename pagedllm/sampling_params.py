@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import math
+import reprlib
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# OpenAI's range. Above it sampling is uniform noise anyway; the bound keeps nonsense such as 1e39 out.
+MAX_TEMPERATURE = 2.0
+# Dividing logits by a penalty below this (or multiplying by one above the upper bound) overflows
+# float32 logits to +-inf and the softmax to NaN.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 1000.0
+# Integer fields end up in int32/int64 tensors and loops; anything larger is a mistake or an attack.
+MAX_INT_FIELD = 2**31 - 1
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxlist, _REPR.maxother = 40, 6, 40
 
 
 @dataclass
@@ -58,42 +71,55 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(field_name: str, msg: str) -> ValueError:
-            value = getattr(self, field_name)
-            return ValueError(f"{field_name} {msg}, got {value!r}.")
+            # Bounded: the value may be a list of a million stop strings.
+            return ValueError(f"{field_name} {msg}, got {_REPR.repr(getattr(self, field_name))}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def finite(field_name: str) -> None:
+            v = getattr(self, field_name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(field_name, "must be a finite number")
+
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            finite(name)
+        # n and best_of are bounded by the engine (max_num_seqs), which says so in its message.
+        if not is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise bad("best_of", f"must be an integer >= n ({self.n})")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "must be > 0")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", "must be >= 0")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be >= 0 and <= {MAX_TEMPERATURE:g}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT_FIELD:
             raise bad("top_k", "must be -1/0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT_FIELD):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT_FIELD:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_INT_FIELD):
             raise bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_INT_FIELD
+        ):
             raise bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or not 0 <= t <= MAX_INT_FIELD for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
 
     @property
@@ -107,6 +133,14 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def clone(self) -> SamplingParams:
-        import copy
+        """A copy the engine may fill in (max_tokens, all_stop_token_ids) without touching the caller's.
 
-        return copy.deepcopy(self)
+        Shallow, with fresh containers: the fields hold only immutable values (numbers, strings)
+        inside them, and a deep copy per prompt of a request with many stop strings was needlessly
+        slow.
+        """
+        c = copy.copy(self)
+        c.stop = list(self.stop)
+        c.stop_token_ids = list(self.stop_token_ids)
+        c.all_stop_token_ids = set(self.all_stop_token_ids)
+        return c

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 API_KEY = "sk-test-key"
+SECOND_KEY, THIRD_KEY = "sk-second", "sk-third"  # several keys: comma-separated and a repeated flag
 MODEL_NAME = "tiny-llama"
 
 
@@ -31,15 +32,24 @@ class ServerProcess:
     """`python -m pagedllm.entrypoints.cli serve MODEL ...` on a free loopback port, up until stop()."""
 
     def __init__(
-        self, model_dir: str, log_path: str, *extra_args: str, env: dict | None = None, wait: bool = True
+        self,
+        model_dir: str,
+        log_path: str,
+        *extra_args: str,
+        env: dict | None = None,
+        wait: bool = True,
+        module: str = "pagedllm.entrypoints.cli",
     ) -> None:
         self.port = free_port()
+        # The first --api-key (of possibly several, comma-separated): /stats needs it.
+        keys = [extra_args[i + 1] for i, a in enumerate(extra_args) if a == "--api-key"]
+        self.api_key = keys[0].split(",")[0] if keys else None
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
             sys.executable,
             "-m",
-            "pagedllm.entrypoints.cli",
+            module,
             "serve",
             model_dir,
             "--port",
@@ -54,9 +64,7 @@ class ServerProcess:
             *extra_args,
         ]
         self._log = open(log_path, "wb")  # a file, not a pipe: a full pipe would block the server
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         if wait:
             self.wait_healthy()
 
@@ -90,7 +98,8 @@ class ServerProcess:
         return self.base_url + path
 
     def stats(self) -> dict:
-        r = httpx.get(self.url("/stats"), timeout=10)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        r = httpx.get(self.url("/stats"), timeout=10, headers=headers)
         r.raise_for_status()
         return r.json()
 
@@ -99,9 +108,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
-            if (
-                s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
-            ) or time.monotonic() > deadline:
+            if (s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0) or time.monotonic() > deadline:
                 return s
             time.sleep(0.05)
 
@@ -122,7 +129,9 @@ def server(tiny_llama, tmp_path_factory):
         tiny_llama,
         str(tmp_path_factory.mktemp("server") / "server.log"),
         "--api-key",
-        API_KEY,
+        f"{API_KEY},{SECOND_KEY}",
+        "--api-key",
+        THIRD_KEY,
         "--served-model-name",
         MODEL_NAME,
         "extra-alias",
@@ -152,7 +161,7 @@ MESSAGES = [
 
 def test_health_version_models(server, client):
     assert httpx.get(server.url("/health")).status_code == 200
-    assert httpx.get(server.url("/version")).json()["version"]
+    assert httpx.get(server.url("/version"), headers={"Authorization": f"Bearer {API_KEY}"}).json()["version"]
     models = client.models.list()
     ids = [m.id for m in models.data]
     assert ids == [MODEL_NAME, "extra-alias"]
@@ -172,8 +181,18 @@ def test_auth(server):
     bad = openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-    r = httpx.post(server.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {API_KEY}"})
-    assert r.status_code == 200
+    for key in (API_KEY, SECOND_KEY, THIRD_KEY):
+        r = httpx.post(server.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, key
+    # every route but /health and /metrics needs the key
+    for path in ("/stats", "/docs", "/openapi.json", "/version", "/no-such-route"):
+        r = httpx.get(server.url(path))
+        assert r.status_code == 401, (path, r.status_code)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.get(server.url(path), headers={"Authorization": f"Bearer {SECOND_KEY}"})
+        assert ok.status_code == (404 if path == "/no-such-route" else 200), (path, ok.status_code)
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert httpx.get(server.url("/metrics")).status_code == 200
 
 
 def test_completion_usage_and_streaming(client, tokenizer):
@@ -208,9 +227,7 @@ def test_completion_token_id_prompts_and_batches(client):
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[1].text == single.choices[0].text
     assert batch.usage.prompt_tokens == 3 + len(ids) and batch.usage.completion_tokens == 12
-    strings = client.completions.create(
-        model=MODEL_NAME, prompt=[PROMPT, "def hello"], max_tokens=4, temperature=0
-    )
+    strings = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "def hello"], max_tokens=4, temperature=0)
     assert len(strings.choices) == 2
     # streaming a batch: each index reassembles to its non-streamed text
     parts = {0: "", 1: ""}
@@ -345,16 +362,11 @@ def test_chat(client, tokenizer):
     assert full.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     assert full.usage.completion_tokens == 16 and full.choices[0].finish_reason == "length"
     chunks = list(
-        client.chat.completions.create(
-            **kw, max_tokens=16, stream=True, stream_options={"include_usage": True}
-        )
+        client.chat.completions.create(**kw, max_tokens=16, stream=True, stream_options={"include_usage": True})
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
-    assert (
-        chunks[-1].usage.completion_tokens == 16
-        and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
-    )
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     # max_completion_tokens (the newer name) wins over max_tokens
     short = client.chat.completions.create(**kw, max_tokens=16, max_completion_tokens=4)
     assert short.usage.completion_tokens == 4 and msg.content.startswith(short.choices[0].message.content)
@@ -392,12 +404,7 @@ def test_chat_logprobs(client):
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    tokens = [
-        e.token
-        for c in streamed
-        if c.choices and c.choices[0].logprobs
-        for e in c.choices[0].logprobs.content
-    ]
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert tokens == [e.token for e in content]
 
 
@@ -438,10 +445,7 @@ def test_metrics(server, client):
 def test_bench_serve_cli(server, tmp_path, capsys):
     from pagedllm.entrypoints.cli import main
 
-    reqs = [
-        {"prompt_token_ids": [3 + (7 * i + j) % 500 for j in range(5 + i)], "max_tokens": 4 + i}
-        for i in range(6)
-    ]
+    reqs = [{"prompt_token_ids": [3 + (7 * i + j) % 500 for j in range(5 + i)], "max_tokens": 4 + i} for i in range(6)]
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps({"meta": {}, "requests": reqs}))
     result = tmp_path / "result.json"
@@ -483,3 +487,19 @@ def test_stats_clean_after_module(server):
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"] == 256
     assert s["num_step_errors"] == 0
     assert "Traceback" not in server.log_tail(100_000)
+
+
+def test_openapi_documents_the_error_responses(server):
+    r = httpx.get(server.url("/openapi.json"), headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200
+    doc = r.json()
+    assert '"422"' not in json.dumps(doc)  # validation errors are answered 400 in OpenAI's shape
+    ref = "#/components/schemas/ErrorBody"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        for code in ("400", "401", "404", "413", "500", "503"):
+            assert responses[code]["content"]["application/json"]["schema"]["$ref"] == ref, (path, code)
+    assert set(doc["components"]["schemas"]["ErrorBody"]["properties"]) == {"error"}
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert not health["200"].get("content") and "503" in health
+    assert "text/plain" in next(iter(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]))

@@ -129,9 +129,7 @@ def test_prompt_too_long_names_the_numbers(http):
     r = http.post("/v1/completions", json={**COMPLETION, "prompt": [7] * 500, "max_tokens": 100})
     err = assert_error(r, 400, "600", "500", "100", str(MAX_MODEL_LEN))
     assert err["code"] == "context_length_exceeded"
-    r = http.post(
-        "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "fox " * 600}]}
-    )
+    r = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "fox " * 600}]})
     assert_error(r, 400, str(MAX_MODEL_LEN))
     # one bad prompt in a batch rejects the whole request, and queues nothing
     r = http.post("/v1/completions", json={**COMPLETION, "prompt": [[1, 2], [7] * 600]})
@@ -139,9 +137,7 @@ def test_prompt_too_long_names_the_numbers(http):
 
 
 def test_unknown_fields_are_ignored(http):
-    r = http.post(
-        "/v1/completions", json={**COMPLETION, "not_a_field": {"x": [1]}, "logit_bias": {}, "user": "u1"}
-    )
+    r = http.post("/v1/completions", json={**COMPLETION, "not_a_field": {"x": [1]}, "logit_bias": {}, "user": "u1"})
     assert r.status_code == 200, r.text
     r = http.post(
         "/v1/chat/completions",
@@ -252,3 +248,139 @@ def test_server_healthy_and_clean_afterwards(http, server):
     s = server.wait_idle()
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_step_errors"] == 0
     assert "Traceback" not in server.log_tail(1_000_000), server.log_tail()
+
+
+# ---- issue 22: every bad input is a 4xx naming the field, and the server serves the next request ----
+def _deep(n: int) -> list:
+    v: list = []
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+SURROGATE = '"\\ud800"'  # valid JSON, but not valid Unicode: a lone UTF-16 surrogate
+
+
+def _raw(template: str) -> bytes:
+    return template.replace("SUR", SURROGATE).encode()
+
+
+HARDENING_CASES = [
+    # lone surrogates, in every string field that reaches the tokenizer or the response
+    ("/v1/completions", _raw('{"model": SUR, "prompt": "hi"}'), ["unicode"], "model"),
+    ("/v1/completions", _raw('{"prompt": SUR, "max_tokens": 2}'), ["unicode"], "prompt"),
+    ("/v1/completions", _raw('{"prompt": ["ok", SUR], "max_tokens": 2}'), ["unicode"], "prompt"),
+    ("/v1/completions", _raw('{"prompt": "hi", "stop": [SUR]}'), ["unicode"], "stop"),
+    ("/v1/completions", _raw('{"prompt": "hi", "user": SUR}'), ["unicode"], "user"),
+    ("/v1/completions", _raw('{"prompt": "hi", "unknown_field": {"x": SUR}}'), ["unicode"], "unknown_field"),
+    ("/v1/completions", _raw("SUR"), ["unicode"], None),
+    ("/v1/chat/completions", _raw('{"messages": [{"role": "user", "content": SUR}]}'), ["unicode"], "messages"),
+    ("/v1/chat/completions", _raw('{"messages": [{"role": SUR, "content": "hi"}]}'), ["unicode"], "messages"),
+    (
+        "/v1/chat/completions",
+        _raw('{"messages": [{"role": "user", "content": [{"type": "text", "text": SUR}]}]}'),
+        ["unicode"],
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        _raw('{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"k": SUR}}'),
+        ["unicode"],
+        "chat_template_kwargs",
+    ),
+    # bytes that are not UTF-8 at all
+    ("/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', [], None),
+    # non-finite and huge numbers
+    ("/v1/completions", {**COMPLETION, "temperature": 1e39}, ["temperature", "2"], "temperature"),
+    ("/v1/completions", {**COMPLETION, "temperature": 2.5}, ["temperature"], "temperature"),
+    ("/v1/completions", {**COMPLETION, "repetition_penalty": 1e-40}, ["repetition_penalty"], "repetition_penalty"),
+    ("/v1/completions", {**COMPLETION, "repetition_penalty": 1e30}, ["repetition_penalty"], "repetition_penalty"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', ["temperature", "finite"], "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}', ["top_p", "finite"], "top_p"),
+    ("/v1/completions", b'{"prompt": "hi", "min_p": -Infinity}', ["min_p"], "min_p"),
+    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 1e400}', ["presence_penalty"], "presence_penalty"),
+    ("/v1/completions", {**COMPLETION, "top_k": 2**40}, ["top_k"], "top_k"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 2**63}, ["max_tokens"], "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [2**40]}, ["stop_token_ids"], "stop_token_ids"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 2**40, "max_tokens": None}, ["min_tokens"], "min_tokens"),
+    # min_tokens against max_tokens after its default (the rest of the context)
+    ("/v1/chat/completions", {**CHAT, "max_tokens": None, "min_tokens": 10_000}, ["min_tokens"], "min_tokens"),
+    # wrong types
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": ["a"]}, ["stop_token_ids"], "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, ["messages"], "messages"),
+    # caps (server flags with defaults)
+    ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 257}, ["256"], "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 100, "n": 11}, ["1024"], "n"),
+    ("/v1/completions", {**COMPLETION, "stop": ["s"] * 65}, ["stop", "64"], "stop"),
+    ("/v1/completions", {**COMPLETION, "stop": "x" * 1025}, ["stop", "1024"], "stop"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [1] * 1025}, ["stop_token_ids", "1024"], "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a"}] * 2049}, ["2048"], "messages"),
+    # tokens in flight: 100 sequences of the whole context need more than the 256-block KV cache
+    ("/v1/completions", {**COMPLETION, "max_tokens": None, "n": 100}, ["tokens"], "max_tokens"),
+    # deep nesting
+    ("/v1/completions", {**COMPLETION, "unknown": _deep(100)}, ["nested"], "unknown"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": _deep(50)}}, ["nested"], "chat_template_kwargs"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, [], None),
+]
+
+
+@pytest.fixture(scope="module")
+def good_outputs(http):
+    """Greedy outputs of one completion and one chat request, before any bad input."""
+    return _good(http)
+
+
+def _good(http) -> tuple[str, str]:
+    c = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    m = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert c.status_code == 200 and m.status_code == 200, (c.text, m.text)
+    return c.json()["choices"][0]["text"], m.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("path,body,needles,param", HARDENING_CASES, ids=lambda v: repr(v)[:60])
+def test_hardening_bad_input_is_400_and_server_lives(http, good_outputs, path, body, needles, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    err = assert_error(r, 400, *needles, param=param if needles else "any")
+    assert "Traceback" not in err["message"] and "Error:" not in err["message"], err
+    assert _good(http) == good_outputs
+
+
+def test_host_header_allow_list_on_a_keyless_loopback_server(http):
+    # DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends its own host name.
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example"):
+        r = http.get("/v1/models", headers={"host": host})
+        assert_error(r, 400, "host")
+    for host in ("localhost:1234", "127.0.0.1", "[::1]:80"):
+        assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
+
+
+def test_limits_are_server_flags(tiny_llama, tmp_path):
+    srv = ServerProcess(
+        tiny_llama,
+        str(tmp_path / "server.log"),
+        "--served-model-name",
+        MODEL,
+        "--max-prompts-per-request",
+        "2",
+        "--max-stop-strings",
+        "1",
+        "--max-messages",
+        "1",
+        "--max-request-tokens",
+        "20",
+    )
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            assert_error(c.post("/v1/completions", json={**COMPLETION, "prompt": ["a"] * 3}), 400, param="prompt")
+            assert_error(c.post("/v1/completions", json={**COMPLETION, "stop": ["a", "b"]}), 400, param="stop")
+            two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+            assert_error(c.post("/v1/chat/completions", json={**CHAT, "messages": two}), 400, param="messages")
+            assert_error(c.post("/v1/completions", json={**COMPLETION, "max_tokens": 30}), 400, "20")
+            assert (
+                c.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"], "stop": ["x"]}).status_code == 200
+            )
+    finally:
+        srv.stop()

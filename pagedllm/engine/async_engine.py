@@ -11,9 +11,19 @@ Outputs go back to each request's own asyncio.Queue through ``loop.call_soon_thr
 call per step and event loop, not one per token).
 
 When no request is unfinished the thread sleeps on a threading.Event that every command sets:
-no busy polling. An exception inside a step fails the requests that were in flight (their
-streams raise ``RequestFailedError``), aborts them so their blocks are freed, is logged, and the
-thread keeps serving new requests.
+no busy polling.
+
+Fault containment: a step that raises is retried on subsets of the requests it scheduled
+(bisection, ``LLMEngine.step(only_requests=...)``; the others keep their blocks and wait) until
+one request is found that fails alone. That request alone is failed (its stream raises
+``RequestFailedError`` with a generic message; the exception is only logged) and aborted, so its
+blocks are freed; the others go on as if nothing happened. A failure no subset reproduces
+(transient) fails nobody, unless steps keep failing: after ``max_step_failures`` failed steps in
+a row, the requests of the failing step are failed. ``consecutive_step_failures`` (what /health
+reports) counts failed steps since the last one that succeeded.
+
+A crash of the thread itself (a bug in this loop, a BaseException from a step) fails every stream
+with EngineDeadError and calls ``on_dead`` (the server exits on it rather than hang).
 """
 
 from __future__ import annotations
@@ -121,7 +131,11 @@ class AsyncLLMEngine:
         self._last_token_time: dict[str, float] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.num_step_errors = 0
+        self.num_step_errors = 0  # steps that raised, retries included
+        self.consecutive_step_failures = 0  # failed (non-retry) steps since the last good step
+        self.max_step_failures = 3
+        # Called (from the engine thread) when the thread dies of an exception, not on shutdown().
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, output_hook: OutputHook | None = None) -> AsyncLLMEngine:
@@ -246,12 +260,19 @@ class AsyncLLMEngine:
                     self._resolve(cmd[1], error=e)
 
     def _step(self) -> bool:
-        """One engine step, outputs delivered; False if the step raised (its requests failed)."""
+        """One engine step, outputs delivered; False if the step raised (see _contain)."""
         try:
             outputs = self.engine.step()
         except Exception as e:
-            self._fail_all(e)
+            self.num_step_errors += 1
+            self.consecutive_step_failures += 1
+            self._contain(e)
             return False
+        self.consecutive_step_failures = 0
+        self._deliver_outputs(outputs)
+        return True
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -271,23 +292,61 @@ class AsyncLLMEngine:
             items.append((stream, out))
         if items:
             self._deliver(items)
-        return True
 
-    def _fail_all(self, error: Exception) -> None:
-        """A step raised: fail and abort every request in flight, keep the engine usable."""
-        self.num_step_errors += 1
-        ids = list(self._streams)
-        logger.exception("engine step failed; aborting %d request(s)", len(ids), exc_info=error)
+    def _contain(self, error: Exception) -> None:
+        """A step raised: find the request that makes it raise by retrying subsets, and fail only it.
+
+        Each retry runs the first half of the suspects (the requests of the failed step). If it
+        succeeds, those advanced a normal step and are cleared; if it raises, the suspects shrink
+        to what it ran. One suspect that raises alone is the culprit. Every retry either clears a
+        request or halves the suspects, so this ends within about 2 x log2(n) + n steps.
+        """
+        suspects = self.engine.last_step_request_ids()
+        logger.error(
+            "engine step failed with %d request(s) scheduled; isolating the cause", len(suspects), exc_info=error
+        )
+        failing = list(suspects)  # what the last failed step ran
+        for _ in range(2 * len(suspects) + 4):
+            if not suspects:
+                break
+            part = suspects[: max(1, len(suspects) // 2)]
+            try:
+                outputs = self.engine.step(only_requests=part)
+            except Exception as e:
+                self.num_step_errors += 1
+                ran = [r for r in self.engine.last_step_request_ids() if r in part]
+                if not ran:
+                    break
+                if len(ran) == 1:
+                    logger.error("request %s fails the step on its own; failing it", ran[0], exc_info=e)
+                    self._fail(ran)
+                    return
+                suspects = failing = ran
+                continue
+            self.consecutive_step_failures = 0  # the engine can step: the fault is not everywhere
+            self._deliver_outputs(outputs)
+            ran = set(self.engine.last_step_request_ids())
+            if not ran:
+                break  # nothing of the subset could run (preempted): no information
+            suspects = [r for r in suspects if r not in ran]
+        logger.warning("no single request reproduces the step failure")
+        if self.consecutive_step_failures >= self.max_step_failures:
+            logger.error(
+                "%d failed steps in a row: failing the requests of the last one", self.consecutive_step_failures
+            )
+            self._fail(failing or list(self._streams))  # nothing scheduled: the fault is before the runner
+
+    def _fail(self, ids: list[str]) -> None:
+        """Fails and aborts these requests (their blocks are freed); the error's text stays in the log."""
         try:
             self.engine.abort_request(ids)
         except Exception:
             logger.exception("aborting the failed requests raised too")
-        failure = RequestFailedError(
-            f"The engine failed while running this request: {type(error).__name__}: {error}"
-        )
-        self._deliver([(self._streams[i], failure) for i in ids])
-        self._streams.clear()
-        self._last_token_time.clear()
+        failure = RequestFailedError("The engine failed while running this request; see the server log.")
+        self._deliver([(self._streams[i], failure) for i in ids if i in self._streams])
+        for i in ids:
+            self._streams.pop(i, None)
+            self._last_token_time.pop(i, None)
 
     def _run(self) -> None:
         try:
@@ -305,10 +364,13 @@ class AsyncLLMEngine:
                     self._wake.wait(0.05)
         except BaseException as e:  # a bug in the loop itself: make it visible, fail everyone
             logger.exception("engine thread crashed")
-            self._deliver(
-                [(s, EngineDeadError(f"The engine thread crashed: {e}")) for s in self._streams.values()]
-            )
+            self._deliver([(s, EngineDeadError("The engine thread crashed.")) for s in self._streams.values()])
             self._streams.clear()
+            if self.on_dead is not None:
+                try:
+                    self.on_dead(e)
+                except Exception:
+                    logger.exception("on_dead hook failed")
             raise
         finally:
             self._stop = True

@@ -52,6 +52,11 @@ def validate_prompt(
         )
     if params.max_tokens is None:
         params.max_tokens = max_model_len - len(ids)
+        if params.min_tokens > params.max_tokens:  # checked by SamplingParams only for an explicit max_tokens
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({params.max_tokens}: the rest of the context after a "
+                f"{len(ids)}-token prompt), got {params.min_tokens}."
+            )
     if len(ids) + params.max_tokens > max_model_len:
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

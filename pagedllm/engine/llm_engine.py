@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Collection
 
 from pagedllm.beam_search import BeamSearchParams, BeamSearchState
 from pagedllm.config import EngineConfig
@@ -138,10 +139,23 @@ class LLMEngine:
         return len(self._groups)
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that advanced."""
+    def last_step_request_ids(self) -> list[str]:
+        """The requests the latest step scheduled (also when it raised), in scheduling order."""
+        ids = (self._group_of.get(sid) for sid in self.core.last_scheduled)
+        return list(dict.fromkeys(g.request_id for g in ids if g is not None))
+
+    def step(self, only_requests: Collection[str] | None = None) -> list[RequestOutput]:
+        """Runs one scheduler step; returns an output for every request that advanced.
+
+        ``only_requests``: run only (the running sequences of) these requests this step; see
+        EngineCore.step. Used to retry a step that raised without the request that broke it.
+        """
         steps_before = self.core.num_steps
-        samples = self.core.step()
+        only = None
+        if only_requests is not None:
+            wanted = set(only_requests)
+            only = [sid for sid, g in self._group_of.items() if g.request_id in wanted]
+        samples = self.core.step(only)
         self.stats_counters["steps"] += self.core.num_steps - steps_before
         now = time.monotonic()
         advanced: dict[str, Group] = {}

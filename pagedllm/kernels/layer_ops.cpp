@@ -62,10 +62,18 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
   uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
   const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D, max_pos = cos.size(0);
   const int64_t block_size = k_cache.size(2), head_stride = block_size * D, blk_stride = num_kv_heads * head_stride;
-  TORCH_CHECK(k_cache.size(1) == num_kv_heads && k_cache.sizes() == v_cache.sizes(), "cache geometry");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) == num_kv_heads && k_cache.sizes() == v_cache.sizes(),
+              "cache geometry");
+  // Checked here, before any thread writes: a slot outside the cache would write anywhere in memory.
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rope_and_cache_write: position ", pp[t], " of token ", t,
+                " out of range of the RoPE table (", max_pos, ")");
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_and_cache_write: slot ", sp[t], " of token ", t,
+                " outside the cache (", num_slots, " slots)");
+  }
   at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position out of range of the RoPE table");
       uint16_t* row = base + t * row_stride;
       const uint16_t* c = cp + pp[t] * D;
       const uint16_t* s = snp + pp[t] * D;

@@ -286,9 +286,12 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
                  std::vector<float>& acc, std::vector<const uint16_t*>& ahead_buf, const uint16_t* next_k) {
   constexpr int C = D / 32;
   const int64_t G = g.group, bs = g.block_size, len2 = (len + 1) / 2 * 2;
-  scores.resize(G * len + (G * len2 + 1) / 2 + 16);
+  // Scratch: scores, probs, then the G softmax normalizers (no stack array sized by a head count).
+  const int64_t inv_at = G * len + (G * len2 + 1) / 2 + 16;
+  scores.resize(inv_at + G);
   float* S = scores.data();
   uint16_t* P = reinterpret_cast<uint16_t*>(S + G * len);
+  float* inv = S + inv_at;
   const uint16_t* q0 = qp + s * g.q_stride + h * G * D;  // the group's G query rows, adjacent
   const int64_t nblk = (len + bs - 1) / bs;
   const BlockStream stream{g, kp, vp, table, h, nblk, next_k};
@@ -337,7 +340,6 @@ void attend_bf16(const Geometry& g, int64_t s, int64_t h, int64_t len, const uin
     prefetch_rest(ahead, asked);
     prefetch_rest(next, asked);
   }
-  float inv[64];
   for (int64_t j = 0; j < G; ++j) inv[j] = probs_bf16(S + j * len, len, len2, scale, P + j * len2);
   pv_and_store<D>(g, stream, s, len, len2, P, inv, op, acc, ahead_buf);
 }
@@ -372,9 +374,13 @@ void attend_seq_bf16(const Geometry& g, int64_t s, int64_t len, const uint16_t* 
                      std::vector<float>& acc, const uint16_t* next_k) {
   constexpr int C = D / 32, V = D / 16;
   const int64_t H = g.num_kv_heads, NH = g.num_heads, bs = g.block_size, len2 = (len + 1) / 2 * 2;
-  scores.resize(NH * len + (NH * len2 + 1) / 2 + 16);
+  // Scratch: scores, probs, then the NH softmax normalizers. NH is any number of query heads
+  // (a fixed float[64] here overflowed the stack past 64).
+  const int64_t inv_at = NH * len + (NH * len2 + 1) / 2 + 16;
+  scores.resize(inv_at + NH);
   float* S = scores.data();
   uint16_t* P = reinterpret_cast<uint16_t*>(S + NH * len);
+  float* inv = S + inv_at;
   const uint16_t* q0 = qp + s * g.q_stride;
   const int64_t nblk = (len + bs - 1) / bs;
   // the stream of whole blocks: K 0 .. nblk-1, V 0 .. nblk-1, then the next sequence's K block 0
@@ -404,7 +410,6 @@ void attend_seq_bf16(const Geometry& g, int64_t s, int64_t len, const uint16_t* 
       if (ah != nullptr && (n + 15) / 16 * 16 < bs) prefetch_head_rows(ah + (n + 15) / 16 * 16 * D, bs - (n + 15) / 16 * 16, D);
     }
   }
-  float inv[64];
   for (int64_t r = 0; r < NH; ++r) inv[r] = probs_bf16(S + r * len, len, len2, scale, P + r * len2);
   acc.assign(NH * D, 0.f);
   for (int64_t b = 0; b < nblk; ++b) {
@@ -678,11 +683,27 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
               "paged_decode_attention: block_tables and seq_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be like q");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2) &&
+                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: q [seqs, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim] "
+              "of q's dtype");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == q.size(0),
+              "paged_decode_attention: one block table row and one length per sequence");
   if (q.size(0) == 0) return;
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  {
+    const int64_t* btp = bt.data_ptr<int64_t>();
+    const int64_t* lp = sl.data_ptr<int64_t>();
+    for (int64_t s = 0; s < q.size(0); ++s)
+      check_block_table_row("paged_decode_attention", s, btp + s * bt.size(1), bt.size(1), lp[s], k_cache.size(0),
+                            k_cache.size(2));
+  }
   if (q.scalar_type() == torch::kFloat) {
-    decode_impl<float>(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
+    decode_impl<float>(out, q, k_cache, v_cache, bt, sl, scale);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_impl<at::BFloat16>(out, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
+    decode_impl<at::BFloat16>(out, q, k_cache, v_cache, bt, sl, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }

@@ -262,10 +262,15 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   const int64_t nseq = qs.size(0), max_blocks = bt.size(1), G = num_heads / hkv;
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t *qsp = qs.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < nseq; ++i)
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= nseq && ql.size(0) == nseq && cl.size(0) == nseq,
+              "paged_prefill_attention: one block table row, query length and context length per sequence");
+  for (int64_t i = 0; i < nseq; ++i) {
     TORCH_CHECK(qsp[i] >= 0 && qlp[i] >= 0 && qsp[i] + qlp[i] <= q.size(0) && clp[i] >= 0 &&
                     (clp[i] + qlp[i] + bs - 1) / bs <= max_blocks,
                 "paged_prefill_attention: sequence ", i, " out of range");
+    check_block_table_row("paged_prefill_attention", i, btp + i * max_blocks, max_blocks, clp[i] + qlp[i],
+                          k_cache.size(0), bs);
+  }
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());

@@ -22,8 +22,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -32,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ServerLimits,
     validation_error_message,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -43,6 +46,14 @@ logger = logging.getLogger("pagedllm.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message can quote input, and escaping can never fail
+    to encode (Starlette's JSONResponse encodes UTF-8, which a stray surrogate breaks)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content).encode()
 
 
 async def _send_json(send: Any, status: int, body: dict) -> None:
@@ -61,17 +72,26 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-class AuthMiddleware:
-    """Bearer-token check on every /v1 route, before the body is read (so 401 beats 400/413)."""
+# Routes any client may call without a key: load balancers and orchestrators probe /health.
+PUBLIC_PATHS = frozenset({"/health"})
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+class AuthMiddleware:
+    """Bearer-token check on every route but PUBLIC_PATHS (and /metrics unless ``metrics_require_key``),
+    before the body is read (so 401 beats 400/413). Any of several keys is accepted."""
+
+    def __init__(self, app: Any, api_keys: list[str], metrics_require_key: bool = False) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {k}".encode() for k in api_keys]
+        self.public = PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.public:
             got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
+            # Every key is compared (no early exit): the time taken says nothing about which matched.
+            ok = [secrets.compare_digest(got, e) for e in self.expected]
+            if not any(ok):
                 err = APIError(
                     "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
                     401,
@@ -80,6 +100,39 @@ class AuthMiddleware:
                 await _send_json(send, 401, err.to_dict())
                 return
         await self.app(scope, receive, send)
+
+
+class AllowedHostsMiddleware:
+    """400 unless the Host header names an allowed host: a page on another site cannot reach a
+    loopback server through DNS rebinding (its requests carry the attacker's host name)."""
+
+    def __init__(self, app: Any, allowed_hosts: list[str]) -> None:
+        self.app = app
+        self.allowed = {h.lower().strip("[]") for h in allowed_hosts}
+
+    @staticmethod
+    def _hostname(host: str) -> str:
+        if host.startswith("["):  # [::1]:8000
+            return host[1 : host.find("]")] if "]" in host else host
+        return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if self._hostname(host).lower() not in self.allowed:
+                err = APIError("Invalid Host header.", 400, code="invalid_host")
+                await _send_json(send, 400, err.to_dict())
+                return
+        await self.app(scope, receive, send)
+
+
+def parse_api_keys(values: list[str] | str | None) -> list[str]:
+    """Keys from repeated and/or comma-separated values; empty entries dropped."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    return [k.strip() for v in values for k in v.split(",") if k.strip()]
 
 
 class BodyLimitMiddleware:
@@ -147,19 +200,66 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, which every error response of this server has."""
+
+    error: ErrorDetail
+
+
+def _err(description: str) -> dict:
+    return {"model": ErrorBody, "description": description}
+
+
+_AUTH_ERRORS: dict[int | str, dict[str, Any]] = {401: _err("Missing or incorrect API key (when the server has one).")}
+_ENGINE_ERRORS: dict[int | str, dict[str, Any]] = {503: _err("The engine is not running.")}
+_REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _err("Invalid request: the message names the field (`param`)."),
+    **_AUTH_ERRORS,
+    404: _err("Unknown model."),
+    413: _err("Request body too large."),
+    500: _err("The engine failed on this request (details in the server log)."),
+    **_ENGINE_ERRORS,
+}
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents its validation errors as 422 with its own shape; this server answers them
+    as 400 in OpenAI's shape (documented per route), so the 422s go."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def build_app(
     engine: AsyncLLMEngine,
     served_model_names: list[str],
     metrics: ServerMetrics | None = None,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
+    metrics_require_key: bool = False,
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app around a (not yet started) AsyncLLMEngine; the app's lifespan runs the engine."""
     metrics = metrics or ServerMetrics(served_model_names[0])
     llm = engine.engine
     tok_path = llm.config.tokenizer or llm.model_path
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
-    serving_args = (engine, served_model_names, load_tokenizer(tok_path), load_tokenizer(tok_path), pool)
+    serving_args = (engine, served_model_names, load_tokenizer(tok_path), load_tokenizer(tok_path), pool, limits)
     completions = OpenAIServingCompletion(*serving_args)
     chat = OpenAIServingChat(*serving_args)
     started = int(time.time())
@@ -175,18 +275,20 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
 
+    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+        return ErrorResponse(exc.to_dict(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_error_message(list(exc.errors()))
-        return JSONResponse(APIError(message, 400, param=param).to_dict(), status_code=400)
+        return ErrorResponse(APIError(message, 400, param=param).to_dict(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
+        return ErrorResponse(
             APIError(str(exc.detail), exc.status_code).to_dict(),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
@@ -194,37 +296,58 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        # The exception's text is ours, not the client's business (and may quote other requests): log only.
         logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(
-            APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).to_dict(), status_code=500
-        )
+        return ErrorResponse(APIError("Internal server error.", 500).to_dict(), status_code=500)
 
     async def engine_stats() -> dict:
         try:
             return await engine.get_stats()
         except EngineDeadError as e:
-            raise APIError(str(e), 503) from e
+            raise APIError("The engine is not running.", 503) from e
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "The engine is running (empty body).", "content": {}},
+            503: {"model": ErrorBody, "description": "The engine is not running, or its steps keep failing."},
+        },
+    )
     async def health() -> Response:
         if not engine.is_running:
-            return JSONResponse(APIError("The engine is not running.", 503).to_dict(), status_code=503)
+            return ErrorResponse(APIError("The engine is not running.", 503).to_dict(), status_code=503)
+        if engine.consecutive_step_failures >= engine.max_step_failures:
+            msg = f"The engine's last {engine.consecutive_step_failures} steps failed."
+            return ErrorResponse(APIError(msg, 503).to_dict(), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses=_AUTH_ERRORS)
     async def version() -> dict:
         return {"version": pagedllm.__version__}
 
-    @app.get("/stats")
+    @app.get("/stats", responses={**_AUTH_ERRORS, **_ENGINE_ERRORS})
     async def stats() -> dict:
-        return {**await engine_stats(), "num_step_errors": engine.num_step_errors}
+        return {
+            **await engine_stats(),
+            "num_step_errors": engine.num_step_errors,
+            "consecutive_step_failures": engine.consecutive_step_failures,
+        }
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"description": "Prometheus text exposition.", "content": {CONTENT_TYPE_LATEST: {}}},
+            **_AUTH_ERRORS,
+            **_ENGINE_ERRORS,
+        },
+    )
     async def prometheus_metrics() -> Response:
         metrics.update_engine_stats(await engine_stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_AUTH_ERRORS)
     async def models() -> dict:
         return {
             "object": "list",
@@ -242,18 +365,21 @@ def build_app(
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_REQUEST_ERRORS)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_REQUEST_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)
 
     # Outermost first: auth, then the body limit (an unauthenticated client never makes us buffer).
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(AuthMiddleware, api_key=api_key)
+    keys = parse_api_keys(api_key)
+    if keys:
+        app.add_middleware(AuthMiddleware, api_keys=keys, metrics_require_key=metrics_require_key)
+    if allowed_hosts and "*" not in allowed_hosts:
+        app.add_middleware(AllowedHostsMiddleware, allowed_hosts=allowed_hosts)
     return app
 
 
@@ -267,25 +393,59 @@ def run_server(args: argparse.Namespace) -> int:
     if args.model_tag:
         args.model = args.model_tag
     names = args.served_model_name or [args.model]
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_keys = parse_api_keys(args.api_key or os.environ.get("PAGEDLLM_API_KEY"))
+    loopback = args.host in LOOPBACK_HOSTS
+    allowed_hosts = args.allowed_hosts
+    if allowed_hosts is None and loopback and not api_keys:
+        # Nothing else guards a keyless loopback server from a browser page's DNS rebinding.
+        allowed_hosts = [*LOOPBACK_HOSTS, args.host]
     metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine.from_config(
-        EngineConfig.from_kwargs(**engine_kwargs(args)), metrics.observe_output
+    engine = AsyncLLMEngine.from_config(EngineConfig.from_kwargs(**engine_kwargs(args)), metrics.observe_output)
+    engine.max_step_failures = args.max_step_failures
+    limits = ServerLimits(
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_seqs_per_request=args.max_seqs_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_messages=args.max_messages,
+        max_request_tokens=args.max_request_tokens,
     )
-    app = build_app(engine, names, metrics, api_key, args.max_request_body_bytes)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    app = build_app(
+        engine,
+        names,
+        metrics,
+        api_keys,
+        args.max_request_body_bytes,
+        limits,
+        metrics_require_key=args.metrics_require_key,
+        allowed_hosts=allowed_hosts,
+    )
+    if not loopback:
         logger.warning(
             "listening on %s: reachable from other machines%s",
             args.host,
-            "" if api_key else " without an API key",
+            "" if api_keys else " without an API key",
         )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), args.host, args.port)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=5,
+        )
     )
-    return 0
+    died: list[BaseException] = []
+
+    def on_dead(error: BaseException) -> None:
+        # A server whose engine is gone would answer 503 forever: exit so a supervisor restarts it.
+        died.append(error)
+        logger.critical("the engine thread died; shutting the server down")
+        server.should_exit = True
+
+    engine.on_dead = on_dead
+    server.run()
+    return 1 if died else 0

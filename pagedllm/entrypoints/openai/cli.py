@@ -14,17 +14,32 @@ import uvicorn  # noqa: F401, E402  isort: skip
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
+    from pagedllm.entrypoints.openai.protocol import ServerLimits
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    p.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)"
-    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics); repeat the "
+        "flag or separate keys by commas to accept several (default: $PAGEDLLM_API_KEY)",
+    )
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too (default: open)")
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        help="Host header values to accept, '*' for any (default: the loopback names when bound to "
+        "loopback without an API key, against DNS rebinding; else any)",
+    )
+    p.add_argument(
+        "--max-step-failures",
+        type=int,
+        default=3,
+        help="/health answers 503 after this many failed engine steps in a row (default: 3)",
     )
     p.add_argument(
         "--served-model-name",
@@ -37,6 +52,42 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413 (default: 8 MiB)",
+    )
+    d = ServerLimits()
+    limits = p.add_argument_group("per-request limits (larger requests get a 400 naming the field)")
+    limits.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=d.max_prompts_per_request,
+        help=f"prompts in one /v1/completions call (default: {d.max_prompts_per_request})",
+    )
+    limits.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=d.max_seqs_per_request,
+        help=f"prompts x max(n, best_of) (default: {d.max_seqs_per_request})",
+    )
+    limits.add_argument(
+        "--max-stop-strings", type=int, default=d.max_stop_strings, help=f"(default: {d.max_stop_strings})"
+    )
+    limits.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=d.max_stop_string_chars,
+        help=f"length of one stop string (default: {d.max_stop_string_chars})",
+    )
+    limits.add_argument(
+        "--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help=f"(default: {d.max_stop_token_ids})"
+    )
+    limits.add_argument(
+        "--max-messages", type=int, default=d.max_messages, help=f"chat messages (default: {d.max_messages})"
+    )
+    limits.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=None,
+        help="tokens one request may hold in the KV cache: prompt tokens + sequences x max_tokens, "
+        "over its prompts (default: the KV cache's capacity)",
     )
     p.add_argument(
         "--uvicorn-log-level",

@@ -9,14 +9,32 @@ from __future__ import annotations
 
 import re
 import reprlib
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 5 (completions) / 20 (chat)
 MAX_N = 128
+MAX_JSON_DEPTH = 32  # deeper nesting than any real request has (chat_template_kwargs is free-form)
+
+
+@dataclass
+class ServerLimits:
+    """Per-request caps, each a `pagedllm serve` flag (see cli.py). They bound the work and memory one
+    request can cost the server before it is rejected with a 400 naming the field."""
+
+    max_prompts_per_request: int = 256
+    max_seqs_per_request: int = 1024  # prompts x max(n, best_of)
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_messages: int = 2048
+    # prompt tokens + sequences x max_tokens, summed over the prompts; None: the KV cache's capacity
+    max_request_tokens: int | None = None
 
 
 class APIError(Exception):
@@ -42,7 +60,41 @@ class APIError(Exception):
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def check_json_value(value: Any) -> None:
+    """Rejects what JSON can carry but nothing downstream handles: lone UTF-16 surrogates ("\\ud800"
+    parses to a str that cannot be encoded, so tokenizers and the response encoder would raise) and
+    absurd nesting. Iterative, so a deep document cannot exhaust the stack. Raises a pydantic error
+    whose ctx names the top-level field."""
+    stack: list[tuple[Any, int, str | None]] = [(value, 0, None)]
+    while stack:
+        v, depth, field = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PydanticCustomError(
+                    "invalid_unicode",
+                    "Invalid value for '{param}': the string is not valid Unicode (a lone UTF-16 surrogate).",
+                    {"param": field or "body"},
+                ) from None
+        elif isinstance(v, (list, dict)):
+            if depth >= MAX_JSON_DEPTH:
+                raise PydanticCustomError(
+                    "too_deep",
+                    "Invalid value for '{param}': nested deeper than {max_depth} levels.",
+                    {"param": field or "body", "max_depth": MAX_JSON_DEPTH},
+                )
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    top = field if field is not None else (k if isinstance(k, str) else None)
+                    stack.append((k, depth + 1, top))
+                    stack.append((x, depth + 1, top))
+            else:
+                # Only what can hold a string or nest: a long token-id prompt costs one pass in C.
+                stack.extend((x, depth + 1, field) for x in v if isinstance(x, (str, list, dict)))
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -71,6 +123,12 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a self-hosted server has no abuse tracking
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_values(cls, data: Any) -> Any:
+        check_json_value(data)
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -143,9 +201,7 @@ def to_sampling_params(
     if best_of is not None and not n <= best_of <= MAX_N:
         raise APIError(f"best_of must be between n ({n}) and {MAX_N}, got {best_of}.", param="best_of")
     if best_of is not None and best_of > n and req.stream:
-        raise APIError(
-            "best_of > n cannot be streamed: the best n are only known at the end.", param="best_of"
-        )
+        raise APIError("best_of > n cannot be streamed: the best n are only known at the end.", param="best_of")
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
     kwargs: dict[str, Any] = {
@@ -180,6 +236,9 @@ def validation_error_message(errors: list[dict]) -> tuple[str, str | None]:
     """A readable message (and the offending field) from pydantic/FastAPI validation errors."""
     by_field: dict[str, list[dict]] = {}
     for err in errors:
+        if err.get("type") in ("invalid_unicode", "too_deep"):  # check_json_value's: already readable
+            param = (err.get("ctx") or {}).get("param")
+            return str(err.get("msg")), (None if param == "body" else param)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -26,6 +28,8 @@ from pagedllm.entrypoints.openai.streaming import (
     merge_streams,
     sse,
 )
+
+logger = logging.getLogger("pagedllm.server")
 
 # apply_chat_template's own parameters: never let a request's chat_template_kwargs override them.
 _RESERVED_TEMPLATE_KWARGS = {
@@ -72,11 +76,18 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("When using top_logprobs, logprobs must be set to true.", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if len(req.messages) > self.limits.max_messages:
+            raise APIError(
+                f"messages has {len(req.messages)} messages; at most {self.limits.max_messages} are allowed.",
+                param="messages",
+            )
         params = to_sampling_params(req, max_tokens, logprobs)
+        self.check_limits(req, 1)
         messages = [_message_dict(m) for m in req.messages]
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
         prompt = await self.in_tokenizer_thread(self._render, messages, req.add_generation_prompt is not False, kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.check_request_tokens([prompt], params)
         streams = await self.add_requests(request_id, [prompt], params, arrival)
         if req.stream:
             return AbortOnCloseStreamingResponse(
@@ -121,8 +132,11 @@ class OpenAIServingChat(OpenAIServing):
             text = tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
-        except Exception as e:  # jinja errors ("roles must alternate", raise_exception(...)) are the input's fault
+        except jinja2.TemplateError as e:  # "roles must alternate", raise_exception(...): the input's fault
             raise APIError(f"Could not apply the chat template: {e}", param="messages") from e
+        except Exception as e:  # e.g. a TypeError inside the template: our text stays in the log
+            logger.warning("chat template failed: %r", e)
+            raise APIError("Could not apply the chat template to these messages.", param="messages") from e
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> list[dict]:

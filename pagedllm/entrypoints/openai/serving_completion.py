@@ -42,7 +42,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 "echo with logprobs needs prompt logprobs, which this server does not compute.", param="echo"
             )
         params = to_sampling_params(req, req.max_tokens, req.logprobs, req.best_of)
+        self.check_limits(req, len(prompts), req.best_of)
         engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo))
+        self.check_request_tokens(engine_prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.add_requests(request_id, engine_prompts, params, arrival)
         n = params.n

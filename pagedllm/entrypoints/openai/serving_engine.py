@@ -17,7 +17,13 @@ from typing import Any
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
-from pagedllm.entrypoints.openai.protocol import _FIELDS, APIError, error_from_value_error
+from pagedllm.entrypoints.openai.protocol import (
+    _FIELDS,
+    APIError,
+    ServerLimits,
+    _SamplingRequest,
+    error_from_value_error,
+)
 from pagedllm.entrypoints.openai.streaming import ClientDisconnected, abort_all, merge_streams, sse, wait_for_disconnect
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -37,6 +43,7 @@ class OpenAIServing:
         tokenizer: Any,
         decode_tokenizer: Any,
         tokenizer_pool: ThreadPoolExecutor,
+        limits: ServerLimits | None = None,
     ) -> None:
         # Separate tokenizer instances: a HF fast tokenizer must not be used from two threads at once
         # (the engine thread decodes with its own; `tokenizer` runs on the one-thread pool;
@@ -47,6 +54,10 @@ class OpenAIServing:
         self.decode_tokenizer = decode_tokenizer
         self.pool = tokenizer_pool
         self.max_model_len: int = engine.engine.max_model_len
+        self.limits = limits or ServerLimits()
+        llm = engine.engine
+        # Default: what the KV cache holds; a request needing more would only preempt itself.
+        self.max_request_tokens: int = self.limits.max_request_tokens or llm.num_kv_blocks * llm.kv_manager.block_size
         # No token covers more characters than the longest vocabulary entry (byte-level BPE entries
         # are at least as long as their text), so a text longer than this many characters per token
         # of context cannot fit: reject it before tokenizing, which for megabytes takes many seconds.
@@ -64,6 +75,52 @@ class OpenAIServing:
                 code="model_not_found",
             )
         return name
+
+    def check_limits(self, req: _SamplingRequest, num_prompts: int, best_of: int | None = None) -> None:
+        """The per-request caps that can be checked before any work (see ServerLimits); 400 naming the field."""
+        lim = self.limits
+        if num_prompts > lim.max_prompts_per_request:
+            raise APIError(
+                f"prompt has {num_prompts} prompts; at most {lim.max_prompts_per_request} are allowed per request.",
+                param="prompt",
+            )
+        per_prompt = max(req.n or 1, best_of or 1)
+        if num_prompts * per_prompt > lim.max_seqs_per_request:
+            raise APIError(
+                f"{num_prompts} prompt(s) x {per_prompt} sequences (n / best_of) is more than the "
+                f"{lim.max_seqs_per_request} sequences allowed per request.",
+                param="n",
+            )
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stop) > lim.max_stop_strings:
+            raise APIError(f"stop has {len(stop)} strings; at most {lim.max_stop_strings} are allowed.", param="stop")
+        longest = max((len(x) for x in stop), default=0)
+        if longest > lim.max_stop_string_chars:
+            raise APIError(
+                f"stop strings must be at most {lim.max_stop_string_chars} characters long, got one of {longest}.",
+                param="stop",
+            )
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > lim.max_stop_token_ids:
+            raise APIError(
+                f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {lim.max_stop_token_ids} are allowed.",
+                param="stop_token_ids",
+            )
+
+    def check_request_tokens(self, prompts: list[dict], params: SamplingParams) -> None:
+        """Caps the KV tokens one request may hold at once: prompts + every sequence's completion."""
+        per_prompt = max(params.n, params.best_of or 1)
+        total = 0
+        for p in prompts:
+            n_prompt = len(p["prompt_token_ids"])
+            max_tokens = params.max_tokens if params.max_tokens is not None else max(self.max_model_len - n_prompt, 0)
+            total += n_prompt + per_prompt * max_tokens
+        if total > self.max_request_tokens:
+            raise APIError(
+                f"The request needs up to {total} tokens (prompts + {per_prompt} sequence(s) x max_tokens per "
+                f"prompt); at most {self.max_request_tokens} are allowed per request. Reduce max_tokens, n or "
+                "the number of prompts.",
+                param="max_tokens",
+            )
 
     async def in_tokenizer_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Tokenizer work off the event loop: a long prompt takes a while to encode."""
@@ -103,7 +160,7 @@ class OpenAIServing:
             if isinstance(e, NotImplementedError):
                 raise APIError(str(e), 400) from e
             if isinstance(e, EngineDeadError):
-                raise APIError(str(e), 503) from e
+                raise APIError("The engine is not running.", 503) from e
             raise
         return streams
 
@@ -125,8 +182,10 @@ class OpenAIServing:
             if task.done():
                 try:
                     return task.result()
-                except (RequestFailedError, EngineDeadError) as e:
-                    raise APIError(str(e), 500) from e
+                except RequestFailedError as e:
+                    raise APIError(str(e), 500) from e  # a generic message: details are in the log
+                except EngineDeadError as e:
+                    raise APIError("The engine is not running.", 503) from e
             logger.info("client disconnected: aborting %s", ", ".join(s.request_id for s in streams))
             raise ClientDisconnected
         finally:
@@ -151,4 +210,6 @@ class OpenAIServing:
 
     @staticmethod
     def stream_error(e: Exception) -> str:
-        return sse(APIError(str(e), 500).to_dict())
+        if isinstance(e, RequestFailedError):  # its message is generic: the details are only logged
+            return sse(APIError(str(e), 500).to_dict())
+        return sse(APIError("The engine is not running.", 503).to_dict())
