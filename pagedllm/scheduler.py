@@ -206,6 +206,22 @@ class Scheduler:
         self._describe(out)
         return out
 
+    def schedule_only(self, only: set[str]) -> SchedulerOutput:
+        """schedule() over a subset of the running sequences (to retry a step that raised without
+        the sequence that made it raise): the others, the waiting and the swapped-out queues are
+        out of its sight for this call and put back after it, in order (sequences it preempted go
+        ahead of the waiting, as schedule() puts them)."""
+        running, waiting, swapped = self.running, self.waiting, self.swapped
+        self.running = [r for r in running if r.seq_id in only]
+        self.waiting, self.swapped = deque(), deque()
+        try:
+            return self.schedule()
+        finally:
+            still = {id(r) for r in self.running}
+            self.running = [r for r in running if r.seq_id not in only or id(r) in still]
+            self.waiting = deque([*self.waiting, *waiting])
+            self.swapped = deque([*swapped, *self.swapped])
+
     def _describe(self, out: SchedulerOutput) -> None:
         """Fills in what the runner needs of each scheduled sequence: all of a sequence it holds
         no table for, else the tokens and blocks that changed since it was last sent."""

@@ -11,7 +11,6 @@ shares the parent's KV blocks, copy-on-write), append a token an owner chose, fi
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Collection
 
 from pagedllm.runner.model_runner import ModelRunner
@@ -58,7 +57,7 @@ class EngineCore:
         keep their blocks and places and are not admitted, swapped in or preempted), so that a
         step that raised can be retried without the sequence that made it raise."""
         self.last_scheduled = []  # stays empty if schedule() itself raises
-        sched = self.scheduler.schedule() if only is None else self._schedule_only(set(only))
+        sched = self.scheduler.schedule() if only is None else self.scheduler.schedule_only(set(only))
         self.last_scheduled = list(sched.num_scheduled_tokens)
         if self.on_schedule is not None:
             self.on_schedule(sched)
@@ -70,19 +69,3 @@ class EngineCore:
         if not sched.is_empty:
             self.num_steps += 1
         return self.scheduler.update_from_output(sched, sampled)
-
-    def _schedule_only(self, only: set[str]) -> SchedulerOutput:
-        """scheduler.schedule() over a subset of the running sequences: the others, the waiting and
-        the swapped-out queues are out of its sight for this call and put back after it, in order
-        (sequences it preempted go ahead of the waiting, as schedule() puts them)."""
-        s = self.scheduler
-        running, waiting, swapped = s.running, s.waiting, s.swapped
-        s.running = [r for r in running if r.seq_id in only]
-        s.waiting, s.swapped = deque(), deque()
-        try:
-            return s.schedule()
-        finally:
-            still = {id(r) for r in s.running}
-            s.running = [r for r in running if r.seq_id not in only or id(r) in still]
-            s.waiting = deque([*s.waiting, *waiting])
-            s.swapped = deque([*swapped, *s.swapped])
