@@ -329,7 +329,7 @@ inline float dot_direct(int64_t qtype, const uint8_t* src, const int8_t* qx, con
 #endif
 }
 
-constexpr int64_t kTileRows = 16;  // weight rows decoded together (~K * 16 bytes: stays in L1/L2)
+constexpr int64_t kWeightTile = 16;  // weight rows decoded together (~K * 16 bytes: stays in L1/L2)
 
 }  // namespace
 
@@ -366,16 +366,16 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
   // Output columns split across threads; each decodes its weight rows a tile at a time.
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (N + kWeightTile - 1) / kWeightTile;
   const bool direct = direct_format(qtype);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int8_t> q(static_cast<size_t>(direct ? 0 : kTileRows * K));
-    std::vector<float> sv(static_cast<size_t>(direct ? 0 : kTileRows * nb * 8));
-    std::vector<float> off(static_cast<size_t>(direct ? 0 : kTileRows * nb));
-    DecodedRow rows[kTileRows];
-    for (int64_t i = 0; i < kTileRows; ++i) rows[i] = {q.data() + i * K, sv.data() + i * nb * 8, off.data() + i * nb};
+    std::vector<int8_t> q(static_cast<size_t>(direct ? 0 : kWeightTile * K));
+    std::vector<float> sv(static_cast<size_t>(direct ? 0 : kWeightTile * nb * 8));
+    std::vector<float> off(static_cast<size_t>(direct ? 0 : kWeightTile * nb));
+    DecodedRow rows[kWeightTile];
+    for (int64_t i = 0; i < kWeightTile; ++i) rows[i] = {q.data() + i * K, sv.data() + i * nb * 8, off.data() + i * nb};
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTileRows, nt = std::min(kTileRows, N - n0);
+      const int64_t n0 = t * kWeightTile, nt = std::min(kWeightTile, N - n0);
       if (direct) {
         for (int64_t m = 0; m < M; ++m) {
           float* out = yp + m * N + n0;
