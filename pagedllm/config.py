@@ -9,6 +9,7 @@ from pagedllm.kv.contiguous import RESERVE_POLICIES
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_LAYOUTS = ("paged", "contiguous")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
+_QUANTIZATIONS = ("auto", "gguf", None)
 
 
 @dataclass
@@ -17,7 +18,10 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None
-    dtype: str = "auto"
+    dtype: str = "auto"  # activations and KV cache; weights per `quantization`
+    # "gguf": a GGUF model's weights stay in their quantized blocks (integer kernels). None (CLI:
+    # none) or "auto" (for now): dequantize a GGUF to float32 at load, as before.
+    quantization: str | None = "auto"
     device: str = "cpu"
     seed: int = 0
     # KV cache
@@ -42,6 +46,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": compiled CPU kernels when they build; "torch": reference
 
     def __post_init__(self) -> None:
+        if isinstance(self.quantization, str) and self.quantization.lower() == "none":
+            self.quantization = None
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}.")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -10,7 +10,8 @@ from pagedllm.config import EngineConfig
 
 _HELP = {
     "model": "local Hugging Face folder, .gguf file, or a known name (default: smollm2-135m-instruct)",
-    "dtype": "auto | float32 | bfloat16 | float16 (CUDA)",
+    "dtype": "activation / KV dtype: auto | float32 | bfloat16 | float16 (CUDA)",
+    "quantization": "gguf: GGUF weights stay in their quantized blocks; auto / none: dequantize a GGUF at load",
     "block_size": "tokens per KV block",
     "kv_cache_memory_gib": "KV cache size in GiB",
     "num_kv_blocks": "KV cache size in blocks (overrides --kv-cache-memory-gib)",

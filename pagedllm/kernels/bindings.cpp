@@ -18,6 +18,10 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<t
 bool packed_gemm_available();
 bool amx_available();
 torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
+torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
+torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
+bool quant_gemm_supports(int64_t qtype);
+bool quant_gemm_simd();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -37,4 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy LM head: per row, the first argmax of bf16(x @ W^T) with W packed as for packed_gemm (no logits written)");
   m.def("packed_gemm_available", &packed_gemm_available, "whether packed_gemm was built (AVX512-BF16)");
   m.def("amx_available", &amx_available, "whether the kernels use AMX tiles here (AMX built and permitted)");
+  m.def("quant_gemm", &quant_gemm,
+        "x @ W^T with W in GGUF quantized blocks (activations quantized to int8 blocks of 32 on the fly)");
+  m.def("quant_dequantize", &quant_dequantize, "float32 values of GGUF quantized rows");
+  m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
+  m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");
 }

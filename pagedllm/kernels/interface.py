@@ -103,3 +103,21 @@ class CpuKernels:
     def packed_gemm_argmax(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """Per row of x, the first argmax of bf16(x @ W^T), no logits written (greedy LM head)."""
         return self._m.packed_gemm_argmax(x, packed)
+
+    # ---- GGUF quantized GEMM (quant_gemm.cpp) ---------------------------------------------------
+    def quant_gemm_supports(self, qtype: int) -> bool:
+        """Whether quant_gemm runs weights of this GGMLQuantizationType (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K)."""
+        return self._m.quant_gemm_supports(qtype)
+
+    def quant_gemm_simd(self) -> bool:
+        """Whether quant_gemm uses AVX2 integer dot products here (else its portable C++ loop)."""
+        return self._m.quant_gemm_simd()
+
+    def quant_gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
+        """x [M, K] float32 @ W^T -> [M, N] float32, W the N rows of GGUF blocks w [N, bytes] uint8.
+        x is quantized per row to int8 blocks of 32 with a float scale (llama.cpp's q8_0)."""
+        return self._m.quant_gemm(x, w, qtype)
+
+    def quant_dequantize(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        """Float32 values [R, k] of R rows of GGUF blocks w [R, bytes] uint8."""
+        return self._m.quant_dequantize(w, qtype, k)

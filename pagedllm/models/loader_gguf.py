@@ -199,10 +199,11 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
+def convert_gguf_to_hf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
     """Convert ``gguf_path`` into an HF ``LlamaForCausalLM`` folder at ``out_dir``.
 
-    Writes config.json, generation_config.json, model.safetensors (float32) and tokenizer files.
+    Writes config.json, generation_config.json, model.safetensors (float32; only if ``weights``:
+    the native quantized path reads the weights from the GGUF itself) and tokenizer files.
     The folder appears atomically: everything is written to a temp dir next to ``out_dir`` and
     renamed at the end, so a crash never leaves a half-written cache entry. If ``out_dir`` already
     holds a finished conversion (e.g. a concurrent process won the race), it is kept.
@@ -222,12 +223,13 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
 
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        logger.info("Converting GGUF %s -> %s (one-time, dequantizing to float32)", gguf_path, out_dir)
-        save_file(
-            _convert_weights(reader, config),
-            os.path.join(tmp, "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+        if weights:
+            logger.info("Converting GGUF %s -> %s (one-time, dequantizing to float32)", gguf_path, out_dir)
+            save_file(
+                _convert_weights(reader, config),
+                os.path.join(tmp, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
         _write_json(os.path.join(tmp, "config.json"), config)
         gen_cfg = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         _write_json(os.path.join(tmp, "generation_config.json"), gen_cfg)

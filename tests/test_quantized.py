@@ -1,0 +1,255 @@
+"""GGUF weights executed in their quantized blocks (QuantizedLinear, kernels/quant_gemm.cpp,
+loader_gguf_native) against the reference: dequantize-then-matmul, and today's dequantize-at-load."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from gguf_models import K_QUANTS, pack_k_quant, tiny_kquant_hf, write_gguf
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import load_cpu_kernels
+from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+T = GGMLQuantizationType
+FORMATS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+ROWS = (1, 7, 64, 300)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("CPU kernels not built here")
+    return k
+
+
+def make_weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF blocks [n, bytes] uint8, their float values [n, k] by gguf-py's dequantizer)."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        raw = pack_k_quant(qtype, n, k, rng)
+    else:
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    wf = dequantize(raw, qtype).reshape(n, k).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(wf)
+
+
+def q8_0_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's q8_0 activation scheme, as the kernel applies it: per block of 32, d = amax / 127,
+    q = round(x * 127 / amax). Returns (dequantized x, per-element rounding bound d / 2)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q * d).reshape(x.shape), (d / 2).expand_as(b).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, rows):
+    n, k = 80, 512  # 80: not a multiple of the kernel's 16-row tiles; 512: two K-quant super-blocks
+    w, wf = make_weight(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = kernels.quant_gemm(x, w, int(qtype))
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+
+    # 1. Exactly the kernel's arithmetic in float64 (its int8 activations, the file's weights): only
+    #    float32 rounding of the per-block scale products and the sums separates them.
+    xq, err = q8_0_activations(x)
+    emulated = xq.double() @ wf.double().T
+    scale = xq.double().abs() @ wf.double().abs().T
+    assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6)
+
+    # 2. Against the float reference the only extra error is the activations' rounding:
+    #    |x - xq| <= d / 2 per element, so |y - x W^T| <= (d / 2) @ |W|^T (plus the float slack).
+    ref = x.double() @ wf.double().T
+    bound = err.double() @ wf.double().abs().T
+    assert torch.all((y.double() - ref).abs() <= bound * (1 + 1e-4) + 2e-5 * scale + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_quant_dequantize_is_gguf_dequantize(kernels, qtype):
+    w, wf = make_weight(qtype, 33, 256)
+    torch.testing.assert_close(kernels.quant_dequantize(w, int(qtype), 256), wf, rtol=0, atol=0)
+
+
+def test_zero_rows_and_zero_activations(kernels):
+    w, _ = make_weight(T.Q4_1, 16, 64)
+    assert kernels.quant_gemm(torch.zeros(0, 64), w, int(T.Q4_1)).shape == (0, 16)
+    # an all-zero block has amax 0: its scale must be 0, not a division by zero
+    assert torch.equal(kernels.quant_gemm(torch.zeros(3, 64), w, int(T.Q4_1)), torch.zeros(3, 16))
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q6_K), ids=lambda t: t.name)
+def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
+    w, wf = make_weight(qtype, 48, 256)
+    bias = torch.randn(48)
+    x = torch.randn(2, 5, 256)
+    ref = QuantizedLinear(w, int(qtype), 256, bias)  # no kernels: dequantize + F.linear
+    fast = QuantizedLinear(w, int(qtype), 256, bias, kernels)
+    assert ref.kernels is None and fast.kernels is not None
+    torch.testing.assert_close(ref(x), torch.nn.functional.linear(x, wf, bias), rtol=1e-5, atol=1e-5)
+    # the kernel's activation rounding: ~0.5% of the output scale (see the bound test above)
+    torch.testing.assert_close(fast(x), ref(x), rtol=0, atol=0.02 * ref(x).abs().max().item())
+    emb_ref = QuantizedEmbedding(w, int(qtype), 256)
+    emb = QuantizedEmbedding(w, int(qtype), 256, kernels)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    torch.testing.assert_close(emb(ids), wf[ids], rtol=0, atol=0)
+    torch.testing.assert_close(emb_ref(ids), wf[ids], rtol=0, atol=0)
+
+
+# ---- whole models ---------------------------------------------------------------------------------
+
+# Mixed formats as llama.cpp writes them (q/k/v differ: the fused qkv runs as parts), untied head.
+LEGACY_FORMATS = {
+    "attn_q": T.Q4_0,
+    "attn_k": T.Q4_0,
+    "attn_v": T.Q8_0,
+    "attn_output": T.Q4_1,
+    "ffn_gate": T.Q4_1,
+    "ffn_up": T.Q4_1,
+    "ffn_down": T.Q4_0,
+    "token_embd": T.Q8_0,
+    "output": T.Q4_1,
+}
+# K-quants (tied embeddings: the head reads the embedding's Q6_K blocks).
+K_FORMATS = {
+    "attn_q": T.Q4_K,
+    "attn_k": T.Q4_K,
+    "attn_v": T.Q6_K,
+    "attn_output": T.Q5_K,
+    "ffn_gate": T.Q4_K,
+    "ffn_up": T.Q4_K,
+    "ffn_down": T.Q6_K,
+    "token_embd": T.Q6_K,
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gguf")
+    kq = tiny_kquant_hf(str(root / "kquant_hf"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(root / "cache"))
+        yield {
+            "legacy": write_gguf(tiny_llama, str(root / "legacy.gguf"), LEGACY_FORMATS),
+            "kquant": write_gguf(kq, str(root / "kquant.gguf"), K_FORMATS),
+        }
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_native_reference_matches_dequantize_at_load(gguf_files, which):
+    """The native model on the reference path (no kernels) computes what the dequantized float32
+    model computes: same float weights, only a different matmul order -> fp32 rounding, 1e-4."""
+    path = gguf_files[which]
+    native = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
+    dequant = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization=None)
+    m_native, m_dequant = native.llm_engine.model, dequant.llm_engine.model
+    assert isinstance(m_native.layers[0].mlp.down_proj, QuantizedLinear)
+    assert isinstance(m_dequant.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert not any(isinstance(m, torch.nn.Linear) and m.weight.numel() > 4096 for m in m_native.modules())
+    ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
+    h_native = _hidden(native, ids)
+    h_dequant = _hidden(dequant, ids)
+    torch.testing.assert_close(h_native, h_dequant, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        m_native.compute_logits(h_native), m_dequant.compute_logits(h_dequant), rtol=1e-4, atol=1e-4
+    )
+    assert m_native.num_params == m_dequant.num_params
+
+
+def _hidden(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states of one prompt, through the engine's own runner (one prefill step)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    captured = []
+    model = llm.llm_engine.model
+    handle = model.register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
+    try:
+        llm.generate([{"prompt_token_ids": ids.tolist()}], params, use_tqdm=False)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def test_kernel_path_close_to_reference(gguf_files, kernels):
+    path = gguf_files["legacy"]
+    fast = LLM(model=path, dtype="float32", num_kv_blocks=32, quantization="gguf")
+    ref = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
+    assert fast.llm_engine.model.layers[0].mlp.down_proj.kernels is not None
+    ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
+    lf = fast.llm_engine.model.compute_logits(_hidden(fast, ids))
+    lr = ref.llm_engine.model.compute_logits(_hidden(ref, ids))
+    # int8 activations at every layer: a few percent of the logit scale at most on this random model
+    assert (lf - lr).abs().max() <= 0.05 * lr.abs().max()
+
+
+def test_quantization_flag_validation(tiny_llama):
+    from pagedllm.config import EngineConfig
+
+    assert EngineConfig(quantization="none").quantization is None
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        LLM(model=tiny_llama, quantization="gguf")
+
+
+# ---- greedy invariance of a natively quantized model ---------------------------------------------
+
+NEW_TOKENS = 16
+
+
+def _workload() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 512, size=int(rng.integers(1, 70))).tolist() for _ in range(8)]
+
+
+def _greedy(path: str, **kwargs) -> tuple[list[list[int]], LLM]:
+    args = dict(dtype="float32", num_kv_blocks=256, block_size=16, quantization="gguf")
+    args.update(kwargs)
+    llm = LLM(model=path, **args)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _workload()], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module", params=["legacy", "kquant"])
+def greedy_baseline(request, gguf_files, kernels):
+    path = gguf_files[request.param]
+    toks, llm = _greedy(path, max_num_seqs=1)  # one request at a time, whole prompts: the simplest schedule
+    assert llm.llm_engine.model.layers[0].mlp.down_proj.kernels is not None  # the integer kernel path
+    return path, toks
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_num_seqs=256),  # every request in one batch
+        dict(block_size=1, num_kv_blocks=4096),
+        dict(block_size=128, num_kv_blocks=48),
+        dict(max_num_batched_tokens=7),  # chunked prefill mixed with decodes
+        dict(block_size=8, num_kv_blocks=12),  # preemption (asserted below)
+    ],
+    ids=["batch", "block1", "block128", "chunked", "preempt"],
+)
+def test_greedy_invariant_to_schedule(greedy_baseline, kwargs):
+    """Each activation row is quantized on its own and each output is a per-row dot product, so a
+    row's result cannot depend on what else is in the batch: greedy tokens must match exactly."""
+    path, expected = greedy_baseline
+    toks, llm = _greedy(path, **kwargs)
+    assert toks == expected
+    if kwargs.get("num_kv_blocks") == 12:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_cache_folder_has_no_float_weights(gguf_files):
+    from pagedllm.models.resolve import resolve_model_path
+
+    folder = resolve_model_path(gguf_files["legacy"], weights=False)
+    assert os.path.isfile(os.path.join(folder, "config.json"))
+    assert not os.path.exists(os.path.join(folder, "model.safetensors"))
