@@ -113,9 +113,7 @@ class BeamSearchState:
         Returns the next beams (best first); sets ``done`` when the search is over."""
         p = self.params
         width = p.beam_width
-        cands = [
-            Candidate(b, tok, lp, cum + lp) for b, (cum, top) in enumerate(beams) for tok, lp in top.items()
-        ]
+        cands = [Candidate(b, tok, lp, cum + lp) for b, (cum, top) in enumerate(beams) for tok, lp in top.items()]
         # Best first; ties by beam then token, like topk over the flattened (beam, vocab) scores.
         cands.sort(key=lambda c: (-c.cum_logprob, c.beam, c.token))
         cands = cands[: self.num_candidates]

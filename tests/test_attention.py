@@ -150,9 +150,7 @@ PREFILL_CASES = [  # block_size, heads, kv_heads, head_dim (the kernel's: 64 or 
 
 
 @needs_kernel
-@pytest.mark.skipif(
-    kernels is None or not kernels.prefill_attention_available(64, 16), reason="no prefill kernel here"
-)
+@pytest.mark.skipif(kernels is None or not kernels.prefill_attention_available(64, 16), reason="no prefill kernel here")
 @pytest.mark.parametrize("block_size,h,hkv,d", PREFILL_CASES)
 def test_prefill_kernel_equals_reference(block_size, h, hkv, d):
     """All prefill chunks of a step in one call: fresh prompts around the 16-row tile size,

@@ -88,16 +88,16 @@ def test_prompt_plus_max_tokens_over_max_model_len(llm):
         assert re.search(rf"\b{number}\b", msg), (number, msg)
     assert_clean(llm)
     # the boundary fits exactly: 40 + 24 = 64
-    out = llm.generate(
-        {"prompt_token_ids": ids(40)}, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False
-    )[0].outputs[0]
+    out = llm.generate({"prompt_token_ids": ids(40)}, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(out.token_ids) == 24 and out.finish_reason == "length"
 
 
 def test_max_tokens_none_fills_the_context(llm):
-    out = llm.generate(
-        {"prompt_token_ids": ids(50)}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
-    )[0].outputs[0]
+    out = llm.generate({"prompt_token_ids": ids(50)}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(out.token_ids) == MAX_LEN - 50 and out.finish_reason == "length"
 
 
@@ -108,9 +108,9 @@ def test_request_larger_than_whole_kv_cache(tiny_llama):
     assert re.search(r"\b40\b", str(e.value)) and re.search(r"\b32\b", str(e.value)), str(e.value)
     assert_clean(small)
     # exactly the whole cache is fine
-    out = small.generate(
-        {"prompt_token_ids": ids(20)}, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False
-    )[0].outputs[0]
+    out = small.generate({"prompt_token_ids": ids(20)}, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(out.token_ids) == 12
     assert_clean(small)
 

@@ -59,9 +59,7 @@ def hf_beams(hf, prompt, width, early_stopping, length_penalty, eos) -> list[tup
 
 
 def ours(llm, prompts, **kw) -> list[list[tuple[list[int], float]]]:
-    outs = llm.beam_search(
-        [{"prompt_token_ids": p} for p in prompts], BeamSearchParams(max_tokens=MAX_NEW, **kw)
-    )
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(max_tokens=MAX_NEW, **kw))
     return [
         [(s.tokens[len(p) :], s.score, s.finish_reason) for s in o.sequences]
         for p, o in zip(prompts, outs, strict=True)
@@ -90,9 +88,7 @@ def test_equals_transformers_with_eos(llm, hf, frequent_tokens):
     finally:
         engine.eos_token_ids = saved
     seqs = [s for got in by_mode.values() for g in got for s in g]
-    assert any(s[2] == "stop" for s in seqs) and all(
-        s[0][-1] in frequent_tokens for s in seqs if s[2] == "stop"
-    )
+    assert any(s[2] == "stop" for s in seqs) and all(s[0][-1] in frequent_tokens for s in seqs if s[2] == "stop")
     assert all(len(s[0]) == MAX_NEW for s in seqs if s[2] == "length")
     # the three modes give three different results here, so the comparison tells them apart
     results = [by_mode[m, 1.0] for m in (True, False, "never")]

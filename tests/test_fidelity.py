@@ -27,9 +27,7 @@ def hf_reference(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[in
     out = []
     with torch.no_grad():
         for p in prompts:
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
-                0
-            ]
+            seq = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0]
             toks = seq[len(p) :].tolist()
             logp = torch.log_softmax(hf(seq.unsqueeze(0)).logits[0].float(), dim=-1)
             out.append((toks, [logp[len(p) - 1 + i, t].item() for i, t in enumerate(toks)]))
@@ -64,9 +62,7 @@ def test_text_prompt_and_detokenization_match_transformers(tiny_llama):
     ids = tok(prompt, return_tensors="pt").input_ids
     ref = hf.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
     llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
-        0
-    ]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
     assert out.prompt == prompt
     assert out.outputs[0].token_ids == ref.tolist()
     assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)

@@ -90,9 +90,7 @@ def test_failed_conversion_leaves_no_partial_cache(tmp_path, monkeypatch: pytest
 def test_greedy_generation_says_paris(model, tokenizer) -> None:
     # A wrong q/k un-permutation breaks RoPE and the output turns into garbage.
     assert tokenizer.chat_template, "chat template from GGUF metadata was lost"
-    ids = tokenizer.apply_chat_template(
-        PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=20, do_sample=False)
     text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)

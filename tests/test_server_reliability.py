@@ -64,9 +64,7 @@ def workload(tiny_llama, server_starting):
     llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=512)
     tok = llm.get_tokenizer()
     chat_ids = [
-        tok.encode(
-            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
-        )
+        tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
         for c in CHATS
     ]
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in max_tokens]
@@ -127,9 +125,7 @@ def test_concurrent_streaming_with_disconnects(server, workload):
             out = await client.completions.create(**kw)
             text, usage, finish = out.choices[0].text, out.usage, out.choices[0].finish_reason
         else:
-            stream = await client.completions.create(
-                **kw, stream=True, stream_options={"include_usage": True}
-            )
+            stream = await client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
             text, usage, finish, n = "", None, None, 0
             async for c in stream:
                 n += 1
@@ -149,9 +145,7 @@ def test_concurrent_streaming_with_disconnects(server, workload):
             and usage.prompt_tokens == len(prompts[p])
         )
         if not ok:
-            failures.append(
-                f"{kind} {i} (prompt {p}): {text!r} != {refs[p]!r}, finish {finish}, usage {usage}"
-            )
+            failures.append(f"{kind} {i} (prompt {p}): {text!r} != {refs[p]!r}, finish {finish}, usage {usage}")
         done[kind] += 1
 
     async def main() -> None:

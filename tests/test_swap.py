@@ -13,9 +13,7 @@ NEW = 16
 
 def workload(n: int = 8, seed: int = 1) -> list[dict]:
     rng = random.Random(seed)
-    return [
-        {"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(1, 70))]} for _ in range(n)
-    ]
+    return [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(1, 70))]} for _ in range(n)]
 
 
 def run(model_dir: str, prompts, params=None, **kw):
@@ -159,9 +157,7 @@ def random_case(seed: int):
                 ignore_eos=True,
             )
         else:
-            params = BeamSearchParams(
-                beam_width=rng.randrange(1, 5), max_tokens=mt, ignore_eos=rng.random() < 0.5
-            )
+            params = BeamSearchParams(beam_width=rng.randrange(1, 5), max_tokens=mt, ignore_eos=rng.random() < 0.5)
         reqs.append((f"r{i}", prompt, params))
         longest = max(longest, plen + mt)
     engine_kw = dict(

@@ -66,9 +66,7 @@ class AttentionMetadata:
     def decode_mask(self, block_size: int) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] bool, True where a key is visible (built once)."""
         if self._decode_mask is None:
-            key_pos = torch.arange(
-                self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device
-            )
+            key_pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device)
             self._decode_mask = (key_pos.unsqueeze(0) < self.decode_seq_lens.unsqueeze(1)).view(
                 self.num_decodes, 1, 1, -1
             )

@@ -32,9 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         if hint is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP.get(f.name)
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP.get(f.name))
             continue
         base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
         parser.add_argument(flag, type=base[0], default=f.default, help=_HELP.get(f.name))

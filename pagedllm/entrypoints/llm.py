@@ -132,10 +132,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template)}
-            for c in conversations
-        ]
+        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(
@@ -146,9 +143,7 @@ class LLM:
     ) -> str:
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError(
-                "This model's tokenizer has no chat template; pass chat_template=... or use generate()."
-            )
+            raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
         return tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )

@@ -177,9 +177,7 @@ class BlockPool:
         free = set(self._free)
         assert len(free) == len(self._free)
         for b in range(self.num_blocks):
-            assert (self.ref_cnt[b] == 0) == (b in free), (
-                f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
-            )
+            assert (self.ref_cnt[b] == 0) == (b in free), f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
         for h, b in self._cached.items():
             assert self.block_hash[b] == h
         assert sum(h is not None for h in self.block_hash) == len(self._cached)

@@ -22,6 +22,4 @@ def get_model_class(hf_config) -> type[nn.Module]:
     for a in archs:
         if a in _MODELS:
             return _MODELS[a]
-    raise ValueError(
-        f"Model architecture(s) {archs} not supported. Supported: {', '.join(supported_architectures())}."
-    )
+    raise ValueError(f"Model architecture(s) {archs} not supported. Supported: {', '.join(supported_architectures())}.")
