@@ -55,33 +55,19 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     d = ServerLimits()
     limits = p.add_argument_group("per-request limits (larger requests get a 400 naming the field)")
-    limits.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=d.max_prompts_per_request,
-        help=f"prompts in one /v1/completions call (default: {d.max_prompts_per_request})",
-    )
-    limits.add_argument(
-        "--max-seqs-per-request",
-        type=int,
-        default=d.max_seqs_per_request,
-        help=f"prompts x max(n, best_of) (default: {d.max_seqs_per_request})",
-    )
-    limits.add_argument(
-        "--max-stop-strings", type=int, default=d.max_stop_strings, help=f"(default: {d.max_stop_strings})"
-    )
-    limits.add_argument(
-        "--max-stop-string-chars",
-        type=int,
-        default=d.max_stop_string_chars,
-        help=f"length of one stop string (default: {d.max_stop_string_chars})",
-    )
-    limits.add_argument(
-        "--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help=f"(default: {d.max_stop_token_ids})"
-    )
-    limits.add_argument(
-        "--max-messages", type=int, default=d.max_messages, help=f"chat messages (default: {d.max_messages})"
-    )
+    # (ServerLimits field, what it counts): flag --max-<field with dashes>, default ServerLimits'
+    for field, what in (
+        ("max_prompts_per_request", "prompts in one /v1/completions call"),
+        ("max_seqs_per_request", "prompts x max(n, best_of)"),
+        ("max_stop_strings", "stop strings"),
+        ("max_stop_string_chars", "length of one stop string"),
+        ("max_stop_token_ids", "stop token ids"),
+        ("max_messages", "chat messages"),
+    ):
+        default = getattr(d, field)
+        limits.add_argument(
+            "--" + field.replace("_", "-"), type=int, default=default, help=f"{what} (default: {default})"
+        )
     limits.add_argument(
         "--max-request-tokens",
         type=int,
