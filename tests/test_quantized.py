@@ -40,13 +40,13 @@ def make_weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> t
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(wf)
 
 
-def q8_0_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's q8_0 activation scheme, as the kernel applies it: per block of 32, d = amax / 127,
-    q = round(x * 127 / amax). Returns (dequantized x, per-element rounding bound d / 2)."""
+def q16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation scheme: per block of 32, d = amax / 32767, q = round(x / d) as int16.
+    Returns (dequantized x, per-element rounding bound d / 2)."""
     b = x.reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    d = amax / 127
-    q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    d = amax / 32767
+    q = torch.round(b * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
     return (q * d).reshape(x.shape), (d / 2).expand_as(b).reshape(x.shape)
 
 
@@ -59,9 +59,9 @@ def test_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, rows):
     y = kernels.quant_gemm(x, w, int(qtype))
     assert y.shape == (rows, n) and y.dtype == torch.float32
 
-    # 1. Exactly the kernel's arithmetic in float64 (its int8 activations, the file's weights): only
+    # 1. Exactly the kernel's arithmetic in float64 (its int16 activations, the file's weights): only
     #    float32 rounding of the per-block scale products and the sums separates them.
-    xq, err = q8_0_activations(x)
+    xq, err = q16_activations(x)
     emulated = xq.double() @ wf.double().T
     scale = xq.double().abs() @ wf.double().abs().T
     assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6)
@@ -71,6 +71,19 @@ def test_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, rows):
     ref = x.double() @ wf.double().T
     bound = err.double() @ wf.double().abs().T
     assert torch.all((y.double() - ref).abs() <= bound * (1 + 1e-4) + 2e-5 * scale + 1e-6)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_quant_gemm_rows_do_not_depend_on_the_call(kernels, qtype):
+    """Each output row is bit-identical whether its activation row comes alone, in a group of 7 or
+    in 300 (the kernel switches between unpacking in registers and decoded tiles, and between
+    micro-kernels of 1-4 rows): a greedy token must not depend on its batch."""
+    w, _ = make_weight(qtype, 37, 256, seed=3)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(4))
+    full = kernels.quant_gemm(x, w, int(qtype))
+    for start, count in ((0, 1), (5, 1), (299, 1), (3, 2), (10, 3), (20, 7), (100, 64)):
+        part = kernels.quant_gemm(x[start : start + count], w, int(qtype))
+        assert torch.equal(part, full[start : start + count]), (start, count)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
@@ -95,8 +108,8 @@ def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     fast = QuantizedLinear(w, int(qtype), 256, bias, kernels)
     assert ref.kernels is None and fast.kernels is not None
     torch.testing.assert_close(ref(x), torch.nn.functional.linear(x, wf, bias), rtol=1e-5, atol=1e-5)
-    # the kernel's activation rounding: ~0.5% of the output scale (see the bound test above)
-    torch.testing.assert_close(fast(x), ref(x), rtol=0, atol=0.02 * ref(x).abs().max().item())
+    # the kernel's int16 activation rounding: ~1e-5 of the output scale (see the bound test above)
+    torch.testing.assert_close(fast(x), ref(x), rtol=0, atol=2e-4 * ref(x).abs().max().item())
     emb_ref = QuantizedEmbedding(w, int(qtype), 256)
     emb = QuantizedEmbedding(w, int(qtype), 256, kernels)
     ids = torch.tensor([[3, 0], [47, 3]])
@@ -185,8 +198,9 @@ def test_kernel_path_close_to_reference(gguf_files, kernels):
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
     lf = fast.llm_engine.model.compute_logits(_hidden(fast, ids))
     lr = ref.llm_engine.model.compute_logits(_hidden(ref, ids))
-    # int8 activations at every layer: a few percent of the logit scale at most on this random model
-    assert (lf - lr).abs().max() <= 0.05 * lr.abs().max()
+    # int16 activations at every layer (~1e-5 relative rounding each) and a different summation
+    # order: far below 0.1% of the logit scale on this random model
+    assert (lf - lr).abs().max() <= 1e-3 * lr.abs().max()
 
 
 def test_quantization_flag_validation(tiny_llama):

@@ -134,9 +134,16 @@ def native_gguf_path(config: EngineConfig) -> str | None:
         if config.device != "cpu":
             raise ValueError("quantization='gguf' runs on the CPU only; quantization=None dequantizes at load.")
         return source
-    # "auto" keeps dequantizing for now: with int8 activations (llama.cpp's q8_0 scheme) the default
-    # model's first answer token flips ("The" vs "L'", a 0.08-logit near-tie) and it misses "Paris".
-    return None
+    if config.quantization != "auto" or source is None or config.device != "cpu":
+        return None
+    # "auto" runs the blocks natively where the integer kernel runs. Without it (no compiler, or the
+    # reference backend) each forward would dequantize every layer again: dequantizing once at
+    # load is faster there.
+    if config.attention_backend != "auto":
+        return None
+    from pagedllm.kernels import load_cpu_kernels
+
+    return source if load_cpu_kernels() is not None else None
 
 
 def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_block: int) -> int:

@@ -11,7 +11,10 @@ from pagedllm.config import EngineConfig
 _HELP = {
     "model": "local Hugging Face folder, .gguf file, or a known name (default: smollm2-135m-instruct)",
     "dtype": "activation / KV dtype: auto | float32 | bfloat16 | float16 (CUDA)",
-    "quantization": "gguf: GGUF weights stay in their quantized blocks; auto / none: dequantize a GGUF at load",
+    "quantization": (
+        "auto (default): a GGUF runs in its quantized blocks where the CPU kernels build; gguf: always; "
+        "none: dequantize a GGUF to float at load"
+    ),
     "block_size": "tokens per KV block",
     "kv_cache_memory_gib": "KV cache size in GiB",
     "num_kv_blocks": "KV cache size in blocks (overrides --kv-cache-memory-gib)",

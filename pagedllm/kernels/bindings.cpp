@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm_available", &packed_gemm_available, "whether packed_gemm was built (AVX512-BF16)");
   m.def("amx_available", &amx_available, "whether the kernels use AMX tiles here (AMX built and permitted)");
   m.def("quant_gemm", &quant_gemm,
-        "x @ W^T with W in GGUF quantized blocks (activations quantized to int8 blocks of 32 on the fly)");
+        "x @ W^T with W in GGUF quantized blocks (activations quantized to int16 blocks of 32 on the fly)");
   m.def("quant_dequantize", &quant_dequantize, "float32 values of GGUF quantized rows");
   m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
   m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");

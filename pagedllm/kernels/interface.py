@@ -115,7 +115,7 @@ class CpuKernels:
 
     def quant_gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] float32, W the N rows of GGUF blocks w [N, bytes] uint8.
-        x is quantized per row to int8 blocks of 32 with a float scale (llama.cpp's q8_0)."""
+        x is quantized per row to int16 blocks of 32 with a float scale (amax / 32767)."""
         return self._m.quant_gemm(x, w, qtype)
 
     def quant_dequantize(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

@@ -1,16 +1,25 @@
 // y = x @ W^T with W kept in its GGUF (llama.cpp) quantized blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
 //
-// The scheme is llama.cpp's: activations are quantized on the fly to int8 blocks of 32 with one
-// scale per block (q8_0; the scale stays fp32 here, llama.cpp rounds it to fp16), and each output
-// is a sum over blocks of integer dot products times the two blocks' scales. Weight blocks are
-// first decoded, a tile of rows at a time, into one common form: 32 signed int8 values per block,
-// a scale for each half (K-quants' Q6_K has 16-element sub-blocks; every other format has one
-// scale per 32) and an additive offset (Q4_1's min, K-quants' -dmin * m), so that
-//     w[i] = s[i / 16] * q[i] + off   and   dot(w_blk, x_blk) = dx * (s . idot) + off * dx * sum(qx).
-// Decoding a tile once serves every activation row, so the same code runs 1-row decode and
-// multi-hundred-row prefill (Q4_0 / Q4_1 / Q8_0 skip the decoded copy: see dot_direct). AVX2
-// integer dot products (maddubs / madd) where the CPU has them, plain C++ elsewhere; the tests
-// compare both against dequantize-then-matmul.
+// Activations are quantized on the fly to int16 blocks of 32 with one float scale per block
+// (d = amax / 32767). llama.cpp uses int8 blocks (q8_0 / q8_1); 16 bits cost the same on AVX2
+// (one vpmaddwd does 16 multiply-adds, as does maddubs + madd for 32 int8 ones) and keep the
+// activations' rounding 256x smaller: on the default model the int8 scheme flips near-tie greedy
+// tokens that the float model gets right, int16 is as close to float32 as bf16 weights are not.
+//
+// Every weight block is seen as 32 signed integers, a scale for each half (Q6_K has 16-element
+// sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's min,
+// the K-quants' -dmin * m; Q4_0's "- 8" is folded into its integers):
+//     w[i] = s[i / 16] * q[i] + off  =>  dot(w_blk, x_blk) = dx * (s . idot) + off * dx * sum(qx)
+// The offset terms are added after the integer dot products, in one fixed loop per output.
+//
+// The micro-kernel takes 2 weight rows x up to 4 activation rows per pass (8 accumulators), so a
+// weight block is unpacked once per 4 activation rows and an activation block loaded once per 2
+// weight rows. With 4 or more activation rows each 16-row weight tile is first decoded into int16
+// (L1-resident) and reused by every activation row; with fewer, Q4_0 / Q4_1 / Q8_0 are unpacked
+// straight from the file's blocks (a decoded copy would cost as much as the dot products). Both
+// yield the same integers and the same float operations in the same order, so each output is
+// bit-identical whatever the number of rows in the call: a sequence's tokens do not depend on the
+// batch it runs in.
 #include "common.h"
 
 #include <c10/util/Half.h>
@@ -49,6 +58,10 @@ bool format_of(int64_t qtype, Format* f) {
   }
 }
 
+inline bool has_offsets(int64_t qtype) { return qtype == Q4_1 || qtype == Q4_K || qtype == Q5_K; }
+inline bool two_scales(int64_t qtype) { return qtype == Q6_K; }
+inline bool direct_format(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
+
 inline float h2f(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -57,19 +70,6 @@ inline float h2f(const uint8_t* p) {
 #else
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
-}
-
-// One decoded row: nb blocks of 32 int8 values, 8 scales per block (elements 4i..4i+3 of a block
-// use sv[8b + i]: the lane order of the AVX2 dot product below) and one offset per block.
-struct DecodedRow {
-  int8_t* q;
-  float* sv;
-  float* off;
-};
-
-inline void set_scales(float* sv, float lo, float hi) {
-  for (int i = 0; i < 4; ++i) sv[i] = lo;
-  for (int i = 4; i < 8; ++i) sv[i] = hi;
 }
 
 // llama.cpp's get_scale_min_k4: 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
@@ -83,48 +83,34 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
-// Low / high nibbles of 16 bytes -> 32 values (low nibbles first), minus `bias`.
-inline void nibbles(const uint8_t* qs, int8_t bias, int8_t* out) {
-#if PAGEDLLM_QAVX2
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0xF), b = _mm_set1_epi8(bias);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(v, mask), b));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), b));
-#else
-  for (int j = 0; j < 16; ++j) {
-    out[j] = static_cast<int8_t>((qs[j] & 0xF) - bias);
-    out[j + 16] = static_cast<int8_t>((qs[j] >> 4) - bias);
-  }
-#endif
-}
-
-void decode_row(int64_t qtype, const uint8_t* src, int64_t K, const DecodedRow& r) {
+// One row of GGUF blocks -> K int16 values q, two scales per block of 32 (sc[2b] for elements
+// 0-15, sc[2b + 1] for 16-31) and one offset per block.
+void decode_row(int64_t qtype, const uint8_t* src, int64_t K, int16_t* q, float* sc, float* off) {
   const int64_t nb = K / 32;
   switch (qtype) {
     case Q8_0:
-      for (int64_t b = 0; b < nb; ++b, src += 34) {
-        const float d = h2f(src);
-        std::memcpy(r.q + 32 * b, src + 2, 32);
-        set_scales(r.sv + 8 * b, d, d);
-        r.off[b] = 0.f;
+      for (int64_t b = 0; b < nb; ++b, src += 34, q += 32) {
+        const int8_t* v = reinterpret_cast<const int8_t*>(src + 2);
+        for (int l = 0; l < 32; ++l) q[l] = v[l];
+        sc[2 * b] = sc[2 * b + 1] = h2f(src);
+        off[b] = 0.f;
       }
       break;
     case Q4_0:
-      for (int64_t b = 0; b < nb; ++b, src += 18) {
-        const float d = h2f(src);
-        nibbles(src + 2, 8, r.q + 32 * b);
-        set_scales(r.sv + 8 * b, d, d);
-        r.off[b] = 0.f;
+    case Q4_1: {
+      const bool q41 = qtype == Q4_1;
+      const int bias = q41 ? 0 : 8;
+      for (int64_t b = 0; b < nb; ++b, src += q41 ? 20 : 18, q += 32) {
+        const uint8_t* qs = src + (q41 ? 4 : 2);
+        for (int l = 0; l < 16; ++l) {
+          q[l] = static_cast<int16_t>((qs[l] & 0xF) - bias);
+          q[l + 16] = static_cast<int16_t>((qs[l] >> 4) - bias);
+        }
+        sc[2 * b] = sc[2 * b + 1] = h2f(src);
+        off[b] = q41 ? h2f(src + 2) : 0.f;
       }
       break;
-    case Q4_1:
-      for (int64_t b = 0; b < nb; ++b, src += 20) {
-        const float d = h2f(src);
-        nibbles(src + 4, 0, r.q + 32 * b);
-        set_scales(r.sv + 8 * b, d, d);
-        r.off[b] = h2f(src + 2);
-      }
-      break;
+    }
     case Q4_K:
     case Q5_K: {
       const bool five = qtype == Q5_K;
@@ -136,20 +122,20 @@ void decode_row(int64_t qtype, const uint8_t* src, int64_t K, const DecodedRow& 
         for (int c = 0; c < 4; ++c) {
           for (int half = 0; half < 2; ++half) {
             const int is = 2 * c + half;
-            int sc, m;
-            scale_min_k4(is, scales, &sc, &m);
+            int s, m;
+            scale_min_k4(is, scales, &s, &m);
             const int64_t b = 8 * sb + is;
-            int8_t* q = r.q + 32 * b;
+            int16_t* qb = q + 32 * b;
             const uint8_t* ql = qs + 32 * c;
             const int shift = 4 * half;
             const uint8_t hbit = static_cast<uint8_t>(1u << is);  // u1 = 1 << 2c, u2 = 2 << 2c
             for (int l = 0; l < 32; ++l) {
               int v = (ql[l] >> shift) & 0xF;
               if (five && (qh[l] & hbit)) v += 16;
-              q[l] = static_cast<int8_t>(v);
+              qb[l] = static_cast<int16_t>(v);
             }
-            set_scales(r.sv + 8 * b, d * sc, d * sc);
-            r.off[b] = -dmin * m;
+            sc[2 * b] = sc[2 * b + 1] = d * s;
+            off[b] = -dmin * m;
           }
         }
       }
@@ -159,21 +145,22 @@ void decode_row(int64_t qtype, const uint8_t* src, int64_t K, const DecodedRow& 
       for (int64_t sb = 0; sb < nb / 8; ++sb, src += 210) {
         const uint8_t* ql0 = src;
         const uint8_t* qh0 = src + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(src + 192);
+        const int8_t* s = reinterpret_cast<const int8_t*>(src + 192);
         const float d = h2f(src + 208);
         for (int h = 0; h < 2; ++h) {
           const uint8_t* ql = ql0 + 64 * h;
           const uint8_t* qh = qh0 + 32 * h;
           for (int k = 0; k < 4; ++k) {
             const int64_t b = 8 * sb + 4 * h + k;
-            int8_t* q = r.q + 32 * b;
+            int16_t* qb = q + 32 * b;
             const uint8_t* lo = ql + (k & 1) * 32;
             const int lshift = (k >> 1) * 4, hshift = 2 * k;
             for (int l = 0; l < 32; ++l) {
-              q[l] = static_cast<int8_t>((((lo[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32);
+              qb[l] = static_cast<int16_t>((((lo[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32);
             }
-            set_scales(r.sv + 8 * b, d * sc[8 * h + 2 * k], d * sc[8 * h + 2 * k + 1]);
-            r.off[b] = 0.f;
+            sc[2 * b] = d * s[8 * h + 2 * k];
+            sc[2 * b + 1] = d * s[8 * h + 2 * k + 1];
+            off[b] = 0.f;
           }
         }
       }
@@ -183,153 +170,234 @@ void decode_row(int64_t qtype, const uint8_t* src, int64_t K, const DecodedRow& 
   }
 }
 
-// One activation row -> int8 blocks of 32: d = amax / 127, q = round(x * 127 / amax) (llama.cpp's
-// quantize_row_q8_0), and ds = d * sum(q) for the weights' additive offsets.
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
+// One activation row -> int16 blocks of 32: d = amax / 32767, q = round(x / d); ds = d * sum(q)
+// (what the weights' additive offsets multiply).
+void quantize_row_q16(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
   for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
-#if PAGEDLLM_QAVX2
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    const __m256 vid = _mm256_set1_ps(id);
-    __m256i qi[4];
-    for (int i = 0; i < 4; ++i) {
-      qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-    // sum of the 32 int values, then pack int32 -> int8 (packs interleave 128-bit lanes: permute back)
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    s4 = _mm_hadd_epi32(s4, s4);
-    ds[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
-    const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]), p23 = _mm256_packs_epi32(qi[2], qi[3]);
-    const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
-#else
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    int sum = 0;
+    const float id = amax != 0.f ? 32767.f / amax : 0.f;
+    d[b] = amax / 32767.f;
+    int32_t sum = 0;
     for (int i = 0; i < 32; ++i) {
-      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
-      sum += q[i];
+      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
+      q[i] = static_cast<int16_t>(v);
+      sum += v;
     }
     ds[b] = d[b] * static_cast<float>(sum);
-#endif
   }
 }
 
-// sum over the row's blocks of dx * (sv . idot) + off * ds.
-inline float dot_row(const DecodedRow& w, const int8_t* qx, const float* dx, const float* ds, int64_t nb) {
-  float off_acc = 0.f;
+// Quantized activations of a call: q [M, K] int16, d and ds [M, nb].
+struct Activations {
+  const int16_t* q;
+  const float* d;
+  const float* ds;
+  int64_t K, nb;
+};
+
+// Weight rows of one tile as the micro-kernel reads them.
+struct DecodedTile {  // decoded into int16 (any format)
+  const int16_t* q;   // [rows, K]
+  const float* sc;    // [rows, 2 nb]
+  int64_t K, nb;
+};
+template <int64_t QT>
+struct FileTile {  // Q4_0 / Q4_1 / Q8_0 straight from the GGUF blocks (the format is a template
+  const uint8_t* rows;  // argument: a run-time switch inside the block loop halved its speed)
+  int64_t row_bytes;
+};
+
+// One weight row of a tile: what the micro-kernel's loop reads, looked up once per pass.
+struct DecodedRowRef {
+  const int16_t* q;
+  const float* sc;
+};
+inline DecodedRowRef row_of(const DecodedTile& t, int64_t i) { return {t.q + i * t.K, t.sc + i * 2 * t.nb}; }
+template <int64_t QT>
+struct FileRowRef {
+  const uint8_t* p;
+};
+template <int64_t QT>
+inline FileRowRef<QT> row_of(const FileTile<QT>& t, int64_t i) { return {t.rows + i * t.row_bytes}; }
+
 #if PAGEDLLM_QAVX2
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i vw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + 32 * b));
-    const __m256i vx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * b));
-    // |w| * sign(w) x: maddubs multiplies unsigned by signed bytes (llama.cpp's q8_0 x q8_0 trick)
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw));
-    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-    acc = _mm256_fmadd_ps(p, _mm256_mul_ps(_mm256_loadu_ps(w.sv + 8 * b), _mm256_broadcast_ss(dx + b)), acc);
-    off_acc += w.off[b] * ds[b];
+inline void load_block(const DecodedRowRef& r, int64_t b, __m256i* lo, __m256i* hi, float* slo, float* shi) {
+  const int16_t* p = r.q + 32 * b;
+  *lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  *slo = r.sc[2 * b];
+  *shi = r.sc[2 * b + 1];
+}
+
+// The same integers decode_row produces, unpacked in registers.
+template <int64_t QT>
+inline void load_block(const FileRowRef<QT>& r, int64_t b, __m256i* lo, __m256i* hi, float* slo, float* shi) {
+  const uint8_t* row = r.p;
+  if (QT == Q8_0) {
+    const uint8_t* blk = row + 34 * b;
+    *slo = *shi = h2f(blk);
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+    return;
   }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  constexpr bool q41 = QT == Q4_1;
+  const uint8_t* blk = row + (q41 ? 20 : 18) * b;
+  *slo = *shi = h2f(blk);
+  // byte j -> int16 lane j: its low nibble is element j, its high nibble element j + 16
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q41 ? 4 : 2))));
+  __m256i l = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+  __m256i h = _mm256_srli_epi16(v, 4);
+  if (!q41) {
+    const __m256i eight = _mm256_set1_epi16(8);
+    l = _mm256_sub_epi16(l, eight);
+    h = _mm256_sub_epi16(h, eight);
+  }
+  *lo = l;
+  *hi = h;
+}
+
+// decode_row for the formats FileTile reads, with the same unpacking (so the same integers).
+template <int64_t QT>
+void decode_rows_simd(const FileTile<QT>& t, int64_t nt, int64_t nb, int16_t* q, float* sc, float* off) {
+  const int64_t K = 32 * nb;
+  for (int64_t i = 0; i < nt; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i lo, hi;
+      float sl, sh;
+      load_block(row_of(t, i), b, &lo, &hi, &sl, &sh);
+      int16_t* p = q + i * K + 32 * b;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), hi);
+      sc[(i * nb + b) * 2] = sl;
+      sc[(i * nb + b) * 2 + 1] = sh;
+      off[i * nb + b] = QT == Q4_1 ? h2f(t.rows + i * t.row_bytes + 20 * b + 2) : 0.f;
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s) + off_acc;
-#else
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* q = w.q + 32 * b;
-    const int8_t* x = qx + 32 * b;
-    float blk = 0.f;
-    for (int i = 0; i < 8; ++i) {
-      int s = 0;
-      for (int j = 0; j < 4; ++j) s += q[4 * i + j] * x[4 * i + j];
-      blk += w.sv[8 * b + i] * static_cast<float>(s);
-    }
-    acc += dx[b] * blk;
-    off_acc += w.off[b] * ds[b];
-  }
-  return acc + off_acc;
-#endif
+  return _mm_cvtss_f32(s);
 }
 
-// Q4_0 / Q4_1 / Q8_0 straight from the file's blocks (llama.cpp's ggml_vec_dot_q4_1_q8_1 and
-// friends): nibbles are unsigned, so maddubs takes them as they are and Q4_0's "- 8" becomes an
-// offset of -8 d like Q4_1's min. No decoded copy: at one activation row that copy cost as much as
-// the dot product itself.
-inline bool direct_format(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
-
-inline float dot_direct(int64_t qtype, const uint8_t* src, const int8_t* qx, const float* dx, const float* ds,
-                        int64_t nb) {
-  float off_acc = 0.f;
-#if PAGEDLLM_QAVX2
-  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0xF);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i vx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * b));
-    __m256i p16;
-    float d;
-    if (qtype == Q8_0) {
-      const uint8_t* blk = src + 34 * b;
-      d = h2f(blk);
-      const __m256i vw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(vw, vw), _mm256_sign_epi8(vx, vw));
-    } else {
-      const bool q41 = qtype == Q4_1;
-      const uint8_t* blk = src + (q41 ? 20 : 18) * b;
-      d = h2f(blk);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q41 ? 4 : 2)));
-      const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
-      p16 = _mm256_maddubs_epi16(nib, vx);
-      off_acc += (q41 ? h2f(blk + 2) : -8.f * d) * ds[b];
-    }
-    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-    acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx[b]), acc);
+// Outputs (rows i0 .. i0 + NR - 1 of the tile) x (activation rows m0 .. m0 + MR - 1) without the
+// offset terms. Only the first `rows` of the NR are written (the others re-read row i0: same code,
+// same order for every output).
+template <int NR, int MR, bool kTwoScales, class Tile>
+inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activations& a, int64_t m0, float* y,
+                         int64_t ldy) {
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  decltype(row_of(tile, 0)) wr[NR];
+  for (int r = 0; r < NR; ++r) wr[r] = row_of(tile, r < rows ? i0 + r : i0);
+  const int16_t* xr[MR];
+  const float* dr[MR];
+  for (int m = 0; m < MR; ++m) {
+    xr[m] = a.q + (m0 + m) * a.K;
+    dr[m] = a.d + (m0 + m) * a.nb;
   }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s) + off_acc;
+  const int64_t nb = a.nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wl[NR], wh[NR];
+    float sl[NR], sh[NR];
+    for (int r = 0; r < NR; ++r) load_block(wr[r], b, &wl[r], &wh[r], &sl[r], &sh[r]);
+    for (int m = 0; m < MR; ++m) {
+      const int16_t* xp = xr[m] + 32 * b;
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16));
+      const __m256 vdx = _mm256_set1_ps(dr[m][b]);
+      for (int r = 0; r < NR; ++r) {
+        const __m256i pl = _mm256_madd_epi16(wl[r], xl), ph = _mm256_madd_epi16(wh[r], xh);
+        if (kTwoScales) {
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_mul_ps(_mm256_set1_ps(sl[r]), vdx), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_mul_ps(_mm256_set1_ps(sh[r]), vdx), acc[r][m]);
+        } else {
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(pl, ph)),
+                                      _mm256_mul_ps(_mm256_set1_ps(sl[r]), vdx), acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r)
+      if (r < rows) y[(m0 + m) * ldy + i0 + r] = hsum(acc[r][m]);
+}
 #else
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* x = qx + 32 * b;
-    int isum = 0;
-    float d;
-    if (qtype == Q8_0) {
-      const uint8_t* blk = src + 34 * b;
-      d = h2f(blk);
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int i = 0; i < 32; ++i) isum += q[i] * x[i];
-    } else {
-      const bool q41 = qtype == Q4_1;
-      const uint8_t* blk = src + (q41 ? 20 : 18) * b;
-      d = h2f(blk);
-      const uint8_t* qs = blk + (q41 ? 4 : 2);
-      for (int i = 0; i < 16; ++i) isum += (qs[i] & 0xF) * x[i] + (qs[i] >> 4) * x[i + 16];
-      off_acc += (q41 ? h2f(blk + 2) : -8.f * d) * ds[b];
-    }
-    acc += static_cast<float>(isum) * d * dx[b];
-  }
-  return acc + off_acc;
-#endif
+inline void load_block(const DecodedRowRef& r, int64_t b, const int16_t** q, float* slo, float* shi) {
+  *q = r.q + 32 * b;
+  *slo = r.sc[2 * b];
+  *shi = r.sc[2 * b + 1];
 }
 
-constexpr int64_t kWeightTile = 16;  // weight rows decoded together (~K * 16 bytes: stays in L1/L2)
+// Portable: one output at a time, integer sums per half block, the same float order for every M.
+template <int NR, int MR, bool kTwoScales, class Tile>
+inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activations& a, int64_t m0, float* y,
+                         int64_t ldy) {
+  for (int r = 0; r < std::min<int64_t>(NR, rows); ++r) {
+    for (int m = 0; m < MR; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const int16_t* w;
+        float sl, sh;
+        load_block(row_of(tile, i0 + r), b, &w, &sl, &sh);
+        const int16_t* x = a.q + (m0 + m) * a.K + 32 * b;
+        int32_t lo = 0, hi = 0;
+        for (int l = 0; l < 16; ++l) lo += int32_t(w[l]) * x[l];
+        for (int l = 16; l < 32; ++l) hi += int32_t(w[l]) * x[l];
+        const float dx = a.d[(m0 + m) * a.nb + b];
+        if (kTwoScales) {
+          acc += static_cast<float>(lo) * (sl * dx);
+          acc += static_cast<float>(hi) * (sh * dx);
+        } else {
+          acc += static_cast<float>(lo + hi) * (sl * dx);
+        }
+      }
+      y[(m0 + m) * ldy + i0 + r] = acc;
+    }
+  }
+}
+#endif
+
+// rows [0, nt) of a tile x every activation row -> y[:, 0:nt] (ldy = N), offsets excluded. Four
+// activation rows x two weight rows per pass; a lone activation row (decode) takes four weight rows.
+template <bool kTwoScales, class Tile>
+void tile_times_activations(const Tile& tile, int64_t nt, const Activations& a, int64_t M, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int64_t i = 0; i < nt; i += 2) micro_kernel<2, 4, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+  const int64_t rest = M - m;
+  if (rest == 1) {
+    for (int64_t i = 0; i < nt; i += 4) micro_kernel<4, 1, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+    return;
+  }
+  for (int64_t i = 0; i < nt; i += 2) {
+    if (rest == 3) micro_kernel<2, 3, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+    if (rest == 2) micro_kernel<2, 2, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+  }
+}
+
+// y[m, i] += sum_b off[i, b] * ds[m, b]: one out-of-line loop, so every output sums its offset
+// terms in the same order whatever the call's shape.
+__attribute__((noinline)) void add_offsets(const float* off, int64_t nt, const Activations& a, int64_t M, float* y,
+                                           int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* ds = a.ds + m * a.nb;
+    for (int64_t i = 0; i < nt; ++i) {
+      const float* o = off + i * a.nb;
+      float s = 0.f;
+      for (int64_t b = 0; b < a.nb; ++b) s += o[b] * ds[b];
+      y[m * ldy + i] += s;
+    }
+  }
+}
+
+constexpr int64_t kWeightTile = 16;  // weight rows per tile: decoded, ~K * 32 bytes stay in L1
+// Below this many activation rows the direct formats skip decoding (the micro-kernel's MR).
+constexpr int64_t kDecodeFromRows = 4;
 
 }  // namespace
 
@@ -355,45 +423,59 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   if (M == 0 || N == 0) return y;
 
   // Activations: quantized once, shared by every thread.
-  std::vector<int8_t> qx(static_cast<size_t>(M * K));
+  std::vector<int16_t> qx(static_cast<size_t>(M * K));
   std::vector<float> dx(static_cast<size_t>(M * nb)), ds(static_cast<size_t>(M * nb));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row_q8(xp + m * K, K, qx.data() + m * K, dx.data() + m * nb, ds.data() + m * nb);
+    for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qx.data() + m * K, dx.data() + m * nb, ds.data() + m * nb);
   });
+  const Activations act{qx.data(), dx.data(), ds.data(), K, nb};
 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  // Output columns split across threads; each decodes its weight rows a tile at a time.
+  const bool direct = PAGEDLLM_QAVX2 && direct_format(qtype) && M < kDecodeFromRows;
+  const bool offsets = has_offsets(qtype), two = two_scales(qtype);
+  // Output columns split across threads, a tile of weight rows at a time.
   const int64_t tiles = (N + kWeightTile - 1) / kWeightTile;
-  const bool direct = direct_format(qtype);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int8_t> q(static_cast<size_t>(direct ? 0 : kWeightTile * K));
-    std::vector<float> sv(static_cast<size_t>(direct ? 0 : kWeightTile * nb * 8));
-    std::vector<float> off(static_cast<size_t>(direct ? 0 : kWeightTile * nb));
-    DecodedRow rows[kWeightTile];
-    for (int64_t i = 0; i < kWeightTile; ++i) rows[i] = {q.data() + i * K, sv.data() + i * nb * 8, off.data() + i * nb};
+    std::vector<int16_t> q(static_cast<size_t>(kWeightTile * K));
+    std::vector<float> sc(static_cast<size_t>(kWeightTile * nb * 2)), off(static_cast<size_t>(kWeightTile * nb));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kWeightTile, nt = std::min(kWeightTile, N - n0);
-      if (direct) {
-        for (int64_t m = 0; m < M; ++m) {
-          float* out = yp + m * N + n0;
-          for (int64_t i = 0; i < nt; ++i) {
-            out[i] = dot_direct(qtype, wp + (n0 + i) * row_bytes, qx.data() + m * K, dx.data() + m * nb,
-                                ds.data() + m * nb, nb);
+      const uint8_t* src = wp + n0 * row_bytes;
+      float* out = yp + n0;
+#if PAGEDLLM_QAVX2
+      if (direct_format(qtype)) {
+        auto run = [&](auto tile) {
+          if (direct) {
+            tile_times_activations<false>(tile, nt, act, M, out, N);
+            if (offsets) {  // Q4_1's mins
+              for (int64_t i = 0; i < nt; ++i)
+                for (int64_t b = 0; b < nb; ++b) off[i * nb + b] = h2f(src + i * row_bytes + 20 * b + 2);
+              add_offsets(off.data(), nt, act, M, out, N);
+            }
+          } else {
+            decode_rows_simd(tile, nt, nb, q.data(), sc.data(), off.data());
+            tile_times_activations<false>(DecodedTile{q.data(), sc.data(), K, nb}, nt, act, M, out, N);
+            if (offsets) add_offsets(off.data(), nt, act, M, out, N);
           }
-        }
+        };
+        if (qtype == Q4_0) run(FileTile<Q4_0>{src, row_bytes});
+        if (qtype == Q4_1) run(FileTile<Q4_1>{src, row_bytes});
+        if (qtype == Q8_0) run(FileTile<Q8_0>{src, row_bytes});
         continue;
       }
-      for (int64_t i = 0; i < nt; ++i) decode_row(qtype, wp + (n0 + i) * row_bytes, K, rows[i]);
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xq = qx.data() + m * K;
-        const float* xd = dx.data() + m * nb;
-        const float* xs = ds.data() + m * nb;
-        float* out = yp + m * N + n0;
-        for (int64_t i = 0; i < nt; ++i) out[i] = dot_row(rows[i], xq, xd, xs, nb);
+#endif
+      for (int64_t i = 0; i < nt; ++i)
+        decode_row(qtype, src + i * row_bytes, K, q.data() + i * K, sc.data() + i * 2 * nb, off.data() + i * nb);
+      const DecodedTile tile{q.data(), sc.data(), K, nb};
+      if (two) {
+        tile_times_activations<true>(tile, nt, act, M, out, N);
+      } else {
+        tile_times_activations<false>(tile, nt, act, M, out, N);
       }
+      if (offsets) add_offsets(off.data(), nt, act, M, out, N);
     }
   });
   return y;
@@ -410,13 +492,12 @@ torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-    std::vector<int8_t> q(static_cast<size_t>(K));
-    std::vector<float> sv(static_cast<size_t>(nb * 8)), off(static_cast<size_t>(nb));
-    const DecodedRow row{q.data(), sv.data(), off.data()};
+    std::vector<int16_t> q(static_cast<size_t>(K));
+    std::vector<float> sc(static_cast<size_t>(nb * 2)), off(static_cast<size_t>(nb));
     for (int64_t r = b; r < e; ++r) {
-      decode_row(qtype, wp + r * w.size(1), K, row);
+      decode_row(qtype, wp + r * w.size(1), K, q.data(), sc.data(), off.data());
       float* out = yp + r * K;
-      for (int64_t i = 0; i < K; ++i) out[i] = sv[8 * (i / 32) + (i % 32) / 4] * q[i] + off[i / 32];
+      for (int64_t i = 0; i < K; ++i) out[i] = sc[i / 16] * q[i] + off[i / 32];
     }
   });
   return y;

@@ -2,7 +2,7 @@
 
 A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_bytes] uint8, and
 never a float copy. ``forward`` runs the compiled integer kernel (kernels/quant_gemm.cpp:
-activations quantized to int8 blocks of 32 on the fly, as llama.cpp does) where it handles the
+activations quantized to int16 blocks of 32 on the fly) where it handles the
 format; otherwise the reference path dequantizes the layer for this call only (gguf-py's own
 dequantizer, independent of the kernel) and runs F.linear. The reference is what the kernel is
 tested against.
