@@ -6,7 +6,7 @@
 #   2. offline throughput, 64 requests of 150 + 128 tokens (pagedllm bench throughput --workload
 #      fixed vs llama-batched-bench -npp 150 -ntg 128 -npl 64);
 #   3. the 200-request ShareGPT-like workload: native Q4_1 vs the bf16 path (--quantization none
-#      --dtype bfloat16) and the float32 path (--quantization none).
+#      --dtype bfloat16).
 # Every timed run holds the shared benchmark lock (one benchmark at a time on the 2 cores).
 # Then summarize.py writes results.json + results.md + results.png.
 #   LLAMACPP_BIN (required): folder with llama-bench, llama-batched-bench, llama-quantize
@@ -57,7 +57,6 @@ if [[ " $PARTS " == *" sharegpt "* ]]; then
   ours throughput --model "$SRC" --workload sharegpt --label "pagedllm Q4_1 sharegpt-200" --out-dir "$OUT/raw/sharegpt"
   ours throughput --model "$SRC" --workload sharegpt --quantization none --dtype bfloat16 \
     --label "pagedllm bf16 sharegpt-200" --out-dir "$OUT/raw/sharegpt"
-  ours throughput --model "$SRC" --workload sharegpt --quantization none --label "pagedllm fp32 sharegpt-200" --out-dir "$OUT/raw/sharegpt"
 fi
 
 python3 "$OUT/summarize.py"
