@@ -70,6 +70,7 @@ def test_perplexity_equals_transformers(tiny_llama, bos, budget, context):
     assert abs(math.log(res.ppl) - math.log(ref)) < 1e-5, (res.ppl, ref)
     assert res.nll_mean == pytest.approx(math.log(res.ppl))
     assert 0 < res.ppl_stderr < res.ppl
+    assert len(res.running_ppl) == res.chunks and res.running_ppl[-1] == pytest.approx(res.ppl)
 
 
 def test_tokenize_as_llamacpp(tiny_llama, tmp_path):

@@ -50,6 +50,8 @@ class PerplexityResult:
     tokens: int  # tokens in the whole text
     tokens_scored: int
     add_bos: bool
+    # after each chunk, exp(mean NLL so far): llama-perplexity's "[1]x,[2]y,..." progress line
+    running_ppl: list[float]
 
 
 def read_text(path: str) -> str:
@@ -117,6 +119,7 @@ def perplexity(
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     nll = nll2 = 0.0
     count = 0
+    running = []
     for w, out in zip(windows, outs, strict=True):
         lps = out.prompt_logprobs
         for j in scored_positions(context):
@@ -124,6 +127,7 @@ def perplexity(
             nll += v
             nll2 += v * v
             count += 1
+        running.append(math.exp(nll / count))
     mean = nll / count
     var = nll2 / count - mean * mean
     ppl = math.exp(mean)
@@ -137,6 +141,7 @@ def perplexity(
         tokens=len(tokens),
         tokens_scored=count,
         add_bos=bos_token_id is not None,
+        running_ppl=running,
     )
 
 
@@ -172,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print("RESULT " + json.dumps(result, sort_keys=True))
+    print(",".join(f"[{i + 1}]{p:.4f}" for i, p in enumerate(res.running_ppl)))
     print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_stderr:.5f}")
     print(f"perplexity: {res.ppl:.4f} ({res.chunks} chunks of {res.context} tokens)")
     if args.output_json:
