@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 # One dict per generated token: token id -> logprob, holding the chosen token and the top-N.
 SampleLogprobs = list[dict[int, float]]
+# One entry per prompt token (SamplingParams.prompt_logprobs): None for the first, which nothing
+# predicts; then token id -> logprob of that position's prompt token and the top-N, given the
+# prompt before it.
+PromptLogprobs = list[dict[int, float] | None]
 
 
 @dataclass
@@ -31,3 +35,4 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # None unless SamplingParams.prompt_logprobs is set

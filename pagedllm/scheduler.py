@@ -242,6 +242,7 @@ class Scheduler:
                         seq.num_computed_tokens,
                         seq.sampling_params,
                         seq.seed,
+                        seq.needs_prompt_logprobs,
                     )
                 )
                 out.preempted_seq_ids.discard(seq_id)
@@ -304,7 +305,8 @@ class Scheduler:
             # A sequence its owner will fork (n > 1) needs room for the sequences to come.
             if self.running and len(self.running) + 1 + seq.reserved_seats > self.config.max_num_seqs:
                 break
-            cached = self.kv.find_cached_prefix(seq)
+            # Prompt logprobs come from every prompt position's logits: such a prompt runs whole.
+            cached = [] if seq.needs_prompt_logprobs else self.kv.find_cached_prefix(seq)
             num_computed = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
@@ -372,14 +374,19 @@ class Scheduler:
 
     # ---- after the model ran -------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: ModelRunnerOutput) -> list[SampledToken]:
-        """Advances computed counts, registers written blocks in the prefix cache, appends sampled
-        tokens, checks token stops and frees finished sequences; returns the samples, in order."""
+        """Advances computed counts, registers written blocks in the prefix cache, collects prompt
+        logprobs, appends sampled tokens, checks token stops and frees finished sequences; returns
+        the samples, in order."""
         for seq_id, n in out.num_scheduled_tokens.items():
             seq = self.seqs.get(seq_id)
             if seq is None:
                 continue
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)
+        for seq_id, chunk in sampled.prompt_logprobs.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.add_prompt_logprobs(chunk.first, chunk.entries)
         results = []
         for i, seq_id in enumerate(sampled.seq_ids):
             seq = self.seqs[seq_id]

@@ -7,6 +7,7 @@ its own per-sequence state (tokens, block table, random generator) and updates i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagedllm.kv.base import BlockOp
 from pagedllm.sampling_params import SamplingParams
@@ -24,6 +25,9 @@ class NewSequenceData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     seed: int | None
+    # Its prompt's logprobs are wanted (SamplingParams.prompt_logprobs, not all computed yet): the
+    # runner returns them for every prompt position it runs.
+    wants_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -61,15 +65,24 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
+class PromptLogprobsChunk(NamedTuple):
+    """Prompt logprobs from one step: entries for prompt tokens ``first``, ``first + 1``, ..."""
+
+    first: int
+    entries: list[dict[int, float]]  # token id -> logprob (that position's prompt token + top-N)
+
+
 @dataclass
 class ModelRunnerOutput:
-    """What the runner sampled: one row per sequence that reached the end of its known tokens."""
+    """What the runner sampled: one row per sequence that reached the end of its known tokens;
+    and the prompt logprobs of the prompt positions it ran for sequences that want them."""
 
     seq_ids: list[str]
     token_ids: list[int]
     # log p(token) under the raw model distribution; None where not asked for
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]  # token id -> logprob (chosen + top-N)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -77,6 +77,11 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
+        # SamplingParams.prompt_logprobs: one entry per prompt token so far (None for the first),
+        # filled from the runner's outputs as the prompt's chunks run.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
         self.num_preemptions = 0
         # The seed of this sequence's random draws (the runner keeps the generator).
         self.seed = sampling_params.seed if seed is None else seed
@@ -125,6 +130,21 @@ class Sequence:
         self.all_token_ids.append(token_id)
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all in yet: its whole prompt must run through the
+        model (no prefix-cache hits), since the logprobs come from each position's logits."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """Entries for prompt tokens ``first``, ``first + 1``, ... from one step. A prompt run
+        again (preempted by recompute) gives entries already held: those are kept."""
+        if self.prompt_logprobs is None:
+            return
+        have = len(self.prompt_logprobs)
+        assert first <= have, f"{self.seq_id}: prompt logprobs from {first} after only {have}"
+        self.prompt_logprobs.extend(entries[have - first :])
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 
@@ -150,6 +170,8 @@ class Sequence:
         if n == self.num_tokens:  # an idle parent's fork is idle too: its owner appends to both
             child.sampled_at_len = self.sampled_at_len
         child.num_cached_tokens = self.num_cached_tokens
+        if self.prompt_logprobs is not None:  # the request's are its first sequence's: none to compute
+            child.prompt_logprobs = list(self.prompt_logprobs)
         child.num_preemptions = self.num_preemptions
         child.first_scheduled_time = self.first_scheduled_time
         child.first_token_time = self.first_token_time

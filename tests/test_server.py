@@ -275,6 +275,39 @@ def test_completion_logprobs(client):
     assert tokens == lp.tokens
 
 
+def test_echo_logprobs_and_prompt_logprobs(client, tokenizer):
+    """echo + logprobs leads the logprobs with the prompt's (the first null, as OpenAI); vLLM's
+    prompt_logprobs gives the same values per prompt token; streaming gives the same."""
+    n_prompt = len(tokenizer.encode(PROMPT))
+    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    kw["extra_body"] = {"ignore_eos": True, "prompt_logprobs": 1}
+    out = client.completions.create(**kw, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[:n_prompt]) == PROMPT
+    plp = choice.model_extra["prompt_logprobs"]
+    ids = tokenizer.encode(PROMPT)
+    assert len(plp) == n_prompt and plp[0] is None
+    for j in range(1, n_prompt):
+        entry = plp[j][str(ids[j])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[j], abs=1e-6)
+        assert entry["decoded_token"] == lp.tokens[j]
+        assert 1 <= len(plp[j]) <= 2  # the prompt token + top 1
+    # without echo: the completion's logprobs only
+    plain = client.completions.create(**kw).choices[0]
+    assert plain.logprobs.tokens == lp.tokens[n_prompt:]
+    assert plain.model_extra["prompt_logprobs"] == plp
+    chunks = list(client.completions.create(**kw, echo=True, stream=True))
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert streamed == lp.tokens
+    assert [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices][0] == plp
+
+
 def test_echo_stop_seed(client):
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT)

@@ -11,6 +11,7 @@ BENCHES = {
     "latency": ("pagedllm.bench.latency", "batch-size-1 latency: ms per output token"),
     "compare": ("pagedllm.bench.compare", "paged vs contiguous KV reservation at the same KV budget"),
     "serve": ("pagedllm.bench.serve", "load an OpenAI-compatible server with Poisson arrivals"),
+    "perplexity": ("pagedllm.bench.perplexity", "perplexity of a text file, as llama.cpp's llama-perplexity"),
     "sharing": ("pagedllm.bench.sharing", "KV memory saved by sharing (n > 1, beams); prefix caching speed"),
 }
 

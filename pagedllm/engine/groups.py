@@ -159,4 +159,7 @@ class SampleGroup:
             finished=self.finished,
             metrics=metrics_of(first),
             num_cached_tokens=first.num_cached_tokens,
+            # Complete by the first sample (the prompt has run), and unchanged after: the list
+            # itself, not a copy per streamed output.
+            prompt_logprobs=first.prompt_logprobs,
         )

@@ -7,6 +7,8 @@ SchedulerOutput says, from the state that output (and the ones before it) gave i
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
@@ -15,10 +17,22 @@ from pagedllm.runner.block_table import BlockTables
 from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.runner.seq_state import SeqState
 from pagedllm.sampler import Sampler
-from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedllm.utils import cdiv
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# Prompt logprobs take the logits of at most this many rows at a time (a 2048-token prefill's
+# [rows, vocab] float32 logits at once would be 400 MB for a 49k vocabulary).
+PROMPT_LOGPROBS_ROWS = 256
+
+
+class _PromptRun(NamedTuple):
+    """Rows of this step's batch whose logits give a sequence's prompt logprobs."""
+
+    state: SeqState
+    row: int  # first row in the flat batch
+    position: int  # its position in the sequence
+    count: int
 
 
 class ModelRunner:
@@ -58,21 +72,52 @@ class ModelRunner:
         self.update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput.empty()
-        input_ids, positions, meta, sample_rows, sampling = self._prepare(sched)
+        input_ids, positions, meta, sample_rows, sampling, prompt_runs = self._prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_lps = self._prompt_logprobs(hidden, prompt_runs) if prompt_runs else {}
         if not sampling:
-            return ModelRunnerOutput.empty()
+            return ModelRunnerOutput([], [], [], [], prompt_lps)
         seq_ids = [s.seq_id for s in sampling]
         hidden = hidden[sample_rows]
         if self.sampler.argmax_only(sampling):
             ids = self.model.greedy_tokens(hidden)
             if ids is not None:
                 n = len(seq_ids)
-                return ModelRunnerOutput(seq_ids, ids.tolist(), [None] * n, [None] * n)
+                return ModelRunnerOutput(seq_ids, ids.tolist(), [None] * n, [None] * n, prompt_lps)
         logits = self.model.compute_logits(hidden)
         # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
         out = self.sampler(logits.cpu(), sampling)
-        return ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs)
+        return ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, runs: list[_PromptRun]) -> dict[str, PromptLogprobsChunk]:
+        """log p(prompt token p + 1 | tokens 0..p) for each run's positions p, from the same hidden
+        states the step samples from: float32 log-softmax of the model's logits, as the sampler's
+        logprobs. The row at position p predicts prompt token p + 1, so a run of positions
+        [start, start + n) gives the entries of prompt tokens start + 1 .. start + n."""
+        out = {}
+        for run in runs:
+            k = run.state.sampling_params.prompt_logprobs or 0
+            p0 = run.position + 1  # the prompt token its first row predicts
+            entries: list[dict[int, float]] = []
+            for a in range(0, run.count, PROMPT_LOGPROBS_ROWS):
+                b = min(a + PROMPT_LOGPROBS_ROWS, run.count)
+                logits = self.model.compute_logits(hidden[run.row + a : run.row + b]).float().cpu()
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                targets = run.state.all_token_ids[p0 + a : p0 + b]
+                chosen = (logits.gather(1, torch.tensor(targets).unsqueeze(1)) - lse).squeeze(1).tolist()
+                if k == 0:
+                    entries.extend({t: v} for t, v in zip(targets, chosen, strict=True))
+                    continue
+                # More than the vocabulary asked for: all of it (topk would raise mid-step).
+                vals, idx = logits.topk(min(k, logits.shape[1]), dim=-1)
+                vals = (vals - lse).tolist()
+                for t, v, ids, vs in zip(targets, chosen, idx.tolist(), vals, strict=True):
+                    d = {t: v}
+                    for i, x in zip(ids, vs, strict=True):
+                        d.setdefault(i, x)
+                    entries.append(d)
+            out[run.state.seq_id] = PromptLogprobsChunk(p0, entries)
+        return out
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Brings the runner's sequences and block tables up to date with the scheduler's view."""
@@ -88,6 +133,7 @@ class ModelRunner:
                 state = self.states[new.seq_id] = SeqState(new.seq_id, prompt, new.sampling_params, new.seed)
             state.reset_tokens(new.token_ids, new.num_prompt_tokens)
             state.num_computed_tokens = new.num_computed_tokens
+            state.wants_prompt_logprobs = new.wants_prompt_logprobs
             self.block_tables.set(new.seq_id, new.block_ids)
         for c in sched.cached_seqs:
             state = self.states[c.seq_id]
@@ -111,6 +157,14 @@ class ModelRunner:
         tokens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[SeqState] = []
+        prompt_runs: list[_PromptRun] = []
+
+        def prompt_run(s: SeqState, row: int, start: int, n: int) -> None:
+            # Positions start .. start + n - 1 run at rows row ..; those before the prompt's last
+            # predict a prompt token (the last one's logits give the first sampled token).
+            count = min(start + n, s.num_prompt_tokens - 1) - start
+            if s.wants_prompt_logprobs and count > 0:
+                prompt_runs.append(_PromptRun(s, row, start, count))
 
         # Decodes: one row each, attending through a padded block-table matrix.
         nd = len(decodes)
@@ -129,6 +183,7 @@ class ModelRunner:
             decode_lens = (pos_t + 1).to(dev)
             decode_bt = decode_bt.to(dev)
             for i, s in enumerate(decodes):
+                prompt_run(s, i, s.num_computed_tokens, 1)
                 if s.num_computed_tokens + 1 == s.num_tokens:
                     sample_rows.append(i)
                     sampling.append(s)
@@ -141,6 +196,7 @@ class ModelRunner:
             row = tables.table[tables.row(s.seq_id)]
             q_start = len(tokens)
             tokens.extend(s.all_token_ids[start:end])
+            prompt_run(s, q_start, start, n)
             p = torch.arange(start, end, dtype=torch.long)
             pos_parts.append(p)
             slot_parts.append(row[p // bs] * bs + p % bs)
@@ -174,4 +230,4 @@ class ModelRunner:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts).to(dev)
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, rows_t, sampling
+        return input_ids, positions, meta, rows_t, sampling, prompt_runs

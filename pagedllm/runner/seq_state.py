@@ -22,6 +22,9 @@ class SeqState:
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
+        # Return the logprobs of the prompt positions it runs (the scheduler says, each time it
+        # sends the sequence whole: SamplingParams.prompt_logprobs, not all computed yet).
+        self.wants_prompt_logprobs = False
         self.generator: torch.Generator | None = None
         seed = sampling_params.seed if seed is None else seed
         if seed is not None:

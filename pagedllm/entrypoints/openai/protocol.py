@@ -143,6 +143,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    # vLLM's extra parameter: each choice gets "prompt_logprobs" (None, then one dict per prompt token)
+    prompt_logprobs: int | None = None
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -187,6 +189,7 @@ def to_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     best_of: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Builds SamplingParams; omitted (None) fields keep SamplingParams' (vLLM's) defaults.
 
@@ -194,6 +197,10 @@ def to_sampling_params(
     """
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", param="logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise APIError(
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}.", param="prompt_logprobs"
+        )
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {n}.", param="n")
@@ -209,6 +216,7 @@ def to_sampling_params(
         "best_of": best_of,
         "max_tokens": max_tokens,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,

@@ -37,11 +37,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         prompts = _split_prompts(req.prompt)
+        # echo with logprobs: the prompt's tokens lead the logprobs too (OpenAI's legacy API).
+        prompt_k = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
-            raise APIError(
-                "echo with logprobs needs prompt logprobs, which this server does not compute.", param="echo"
-            )
-        params = to_sampling_params(req, req.max_tokens, req.logprobs, req.best_of)
+            prompt_k = max(prompt_k or 0, req.logprobs)
+        params = to_sampling_params(req, req.max_tokens, req.logprobs, req.best_of, prompt_k)
         self.check_limits(req, len(prompts), req.best_of)
         engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo))
         self.check_request_tokens(engine_prompts, params)
@@ -65,16 +65,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = (engine_prompts[i]["prompt"] + c.text) if req.echo else c.text
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
-                choices.append(
-                    {
-                        "index": i * n + rank,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                    head = self._echo_logprobs(req, out) if req.echo else None
+                    offset = head["text_offset_end"] if head else 0
+                    logprobs = _join(head, self._logprobs(c.token_ids, c.logprobs, req.logprobs, offset))
+                choice = {
+                    "index": i * n + rank,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return JSONResponse(
             {
@@ -102,6 +105,29 @@ class OpenAIServingCompletion(OpenAIServing):
                         d["prompt"] = ""
                 out.append(d)
         return out
+
+    def _echo_logprobs(self, req: CompletionRequest, out) -> dict:
+        """The echoed prompt's part of the logprobs: its first token has none (null), as in OpenAI."""
+        ids, plp = out.prompt_token_ids, out.prompt_logprobs or []
+        part = self._logprobs(ids[1:], plp[1:], req.logprobs, len(self.token_str(ids[0])))
+        part["tokens"].insert(0, self.token_str(ids[0]))
+        part["token_logprobs"].insert(0, None)
+        part["top_logprobs"].insert(0, None)
+        part["text_offset"].insert(0, 0)
+        part["text_offset_end"] = part["text_offset"][-1] + len(part["tokens"][-1])
+        return part
+
+    def _vllm_prompt_logprobs(self, out, top: int) -> list[dict | None]:
+        """vLLM's choice field: None, then per prompt token {token id: {logprob, decoded_token}} for
+        that token and the top ``top`` (no rank: the engine does not compute vocabulary ranks)."""
+        result: list[dict | None] = [None]
+        for t, lp in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [])[1:], strict=False):
+            entries = dict(self.top_entries(lp, top))
+            entries.setdefault(t, lp.get(t, _LOGPROB_FLOOR))
+            result.append(
+                {str(k): {"logprob": self.logprob(v), "decoded_token": self.token_str(k)} for k, v in entries.items()}
+            )
+        return result
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int, offset: int) -> dict:
         """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
@@ -141,16 +167,21 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     delta = c.text[st.text_len :]
                     new_ids = c.token_ids[st.num_tokens :]
+                    head = None
                     if req.echo and not st.started:
                         delta = prompts[i].get("prompt", "") + delta
+                        if req.logprobs is not None:
+                            head = self._echo_logprobs(req, out)
+                            st.text_offset = head["text_offset_end"]
                     finish = c.finish_reason
-                    want_lp = req.logprobs is not None and c.logprobs is not None and new_ids
+                    want_lp = req.logprobs is not None and c.logprobs is not None and (new_ids or head)
                     if not delta and finish is None and not want_lp:
                         continue
                     logprobs = None
                     if want_lp:
-                        logprobs = self._logprobs(new_ids, c.logprobs[st.num_tokens :], req.logprobs, st.text_offset)
-                        st.text_offset += sum(len(s) for s in logprobs["tokens"])
+                        part = self._logprobs(new_ids, c.logprobs[st.num_tokens :], req.logprobs, st.text_offset)
+                        st.text_offset += sum(len(s) for s in part["tokens"])
+                        logprobs = _join(head, part)
                     st.text_len = max(st.text_len, len(c.text))
                     st.num_tokens = len(c.token_ids)
                     st.started = True
@@ -161,6 +192,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         "finish_reason": finish,
                         "stop_reason": c.stop_reason if finish else None,
                     }
+                    if req.prompt_logprobs is not None and not st.sent_prompt_logprobs:
+                        choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
+                        st.sent_prompt_logprobs = True
                     if finish is not None:
                         st.finished = True
                         completion_tokens[idx] = len(c.token_ids)
@@ -173,6 +207,13 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse("[DONE]")
         finally:
             abort_all(streams)
+
+
+def _join(head: dict | None, part: dict) -> dict:
+    """The echoed prompt's logprobs followed by the completion's."""
+    if head is None:
+        return part
+    return {k: head[k] + part[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def _split_prompts(prompt: str | list) -> list[str | list[int]]:

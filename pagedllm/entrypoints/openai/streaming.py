@@ -125,5 +125,6 @@ class _ChoiceState:
     text_len: int = 0  # characters already sent
     num_tokens: int = 0  # tokens already sent (their logprobs too)
     text_offset: int = 0  # completions logprobs: offset of the next token in the choice's text
+    sent_prompt_logprobs: bool = False  # completions: vLLM's prompt_logprobs go in a choice's first chunk
     started: bool = False  # echo / chat role already sent
     finished: bool = False
