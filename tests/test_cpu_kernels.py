@@ -239,10 +239,11 @@ def test_argmax_rows_equals_torch_first_maximum(n, dtype):
     assert torch.equal(kernels.argmax_rows(rows), expected)
 
 
-def test_greedy_sampler_uses_the_kernel_and_agrees():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_greedy_sampler_uses_the_kernel_and_agrees(dtype):
     from test_sampling import make_req
 
-    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(BF16)
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
     reqs = [make_req(prompt=[1], temperature=0.0) for _ in range(5)]
     calls = []
 
