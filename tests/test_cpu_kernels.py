@@ -2,7 +2,8 @@
 
 RoPE + cache write must give the reference's bits (bf16 and float32); the others agree to bf16
 rounding, or in float32 to a few float ulps. At the model level, the fused bf16 forward must pick
-the reference's greedy tokens wherever the reference's choice is not a near-tie.
+the reference's greedy tokens wherever the reference's choice is not a near-tie; the fused float32
+forward must pick them all, with logprobs equal to float rounding.
 """
 
 from __future__ import annotations
@@ -219,6 +220,52 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engi
             assert abs(fast.logprobs[i][a] - ref.logprobs[i][b]) < 0.1
             compared += 1
     assert compared >= 12
+
+
+def _final_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The model's output (final-norm hidden states) for one prompt: one prefill step of the engine."""
+    captured = []
+    handle = llm.llm_engine.model.register_forward_hook(lambda mod, inp, out: captured.append(out.clone()))
+    try:
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+@pytest.mark.parametrize(
+    "family,engine_args",
+    [
+        ("llama", {}),
+        ("llama3_rope", {}),
+        ("qwen2", {}),
+        ("mistral", {}),
+        ("mistral", {"max_num_batched_tokens": 16}),  # prompt chunks after a cached context
+    ],
+)
+def test_fused_float32_forward_matches_reference(tiny_model_dirs, family, engine_args):
+    """float32 through the kernels: RoPE and the cache write are the reference's bits, SiLU and
+    add + RMSNorm a few float ulps off (see F32_RTOL), so the logits agree to float rounding and
+    every greedy token is the reference's."""
+    prompts = [[1, 5, 9, 200, 3], list(range(10, 60)), [7] * 23]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3, ignore_eos=True)
+    outs, logits = {}, {}
+    for backend in ("auto", "torch"):
+        llm = LLM(
+            model=tiny_model_dirs[family], dtype="float32", num_kv_blocks=64, attention_backend=backend, **engine_args
+        )
+        model = llm.llm_engine.model
+        assert (model.kernels is not None) == (backend == "auto")
+        assert model.activation_dtype() == F32
+        logits[backend] = model.compute_logits(_final_hidden(llm, list(range(3, 80))))
+        outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    # The norms' few-ulp differences reach logits of order 5 as ~1e-6 of rounding; 1e-5 is ~20 float ulps there.
+    torch.testing.assert_close(logits["auto"], logits["torch"], rtol=1e-5, atol=1e-5)
+    for fast, ref in zip(outs["auto"], outs["torch"], strict=True):
+        assert fast.token_ids == ref.token_ids
+        for lp_fast, lp_ref in zip(fast.logprobs, ref.logprobs, strict=True):
+            for tok in lp_fast.keys() & lp_ref.keys():
+                assert abs(lp_fast[tok] - lp_ref[tok]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
