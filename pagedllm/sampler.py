@@ -31,7 +31,7 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """``argmax_rows``: the compiled bf16 row argmax (pagedllm.kernels), or None for torch's."""
+        """``argmax_rows``: the compiled bf16 / float32 row argmax (pagedllm.kernels), or None for torch's."""
         # Draws for requests without their own seed: reproducible per engine, not per request.
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
@@ -81,7 +81,12 @@ class Sampler:
         return _greedy_without_extras(requests)
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.argmax_rows is not None and logits.dtype == torch.bfloat16 and logits.stride(-1) == 1:
+        if (
+            self.argmax_rows is not None
+            and logits.dtype in (torch.bfloat16, torch.float32)
+            and logits.device.type == "cpu"
+            and logits.stride(-1) == 1
+        ):
             return self.argmax_rows(logits)
         # max().indices is argmax (first maximum on ties) but ~3x faster on the CPU
         return logits.max(dim=-1).indices

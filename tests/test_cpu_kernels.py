@@ -1,8 +1,9 @@
 """The compiled CPU layer kernels (pagedllm/kernels) equal the PyTorch reference path.
 
-RoPE + cache write must give the reference's bits; the others agree to bf16 rounding. At the
-model level, the fused bf16 forward must pick the reference's greedy tokens wherever the
-reference's choice is not a near-tie.
+RoPE + cache write must give the reference's bits (bf16 and float32); the others agree to bf16
+rounding, or in float32 to a few float ulps. At the model level, the fused bf16 forward must pick
+the reference's greedy tokens wherever the reference's choice is not a near-tie; the fused float32
+forward must pick them all, with logprobs equal to float rounding.
 """
 
 from __future__ import annotations
@@ -19,38 +20,54 @@ from pagedllm.sampler import Sampler
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels could not be built here")
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 
 
-@pytest.mark.parametrize("h,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 128)])
-def test_rope_and_cache_write_is_bit_exact(h, hkv, d):
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("h,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 128), (3, 1, 10)])
+def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype):
+    """float32 too: the kernel rounds each product and the sum as the reference does (no FMA)."""
     g = torch.Generator().manual_seed(d)
     t, block_size, num_blocks = 11, 4, 8
-    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(BF16)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
     positions = torch.randint(0, 100, (t,), generator=g)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
     angles = torch.rand(100, d // 2, generator=g) * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=BF16)
+    k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
 
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-    c, s = cos[positions].to(BF16).unsqueeze(1), sin[positions].to(BF16).unsqueeze(1)
+    c, s = cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
     q_ref, k_ref = apply_rope(q.view(t, h, d), k.view(t, hkv, d), c, s)
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     write_kv_cache(k_ref, v.reshape(t, hkv, d), kc_ref, vc_ref, slots)
 
     # a strided view (rows of a wider buffer), as the fused projection output can be
-    buf = torch.zeros(t, qkv.shape[1] + 32, dtype=BF16)
+    buf = torch.zeros(t, qkv.shape[1] + 32, dtype=dtype)
     buf[:, : qkv.shape[1]] = qkv
     view = buf[:, : qkv.shape[1]]
-    kernels.rope_and_cache_write(view, positions, cos.to(BF16), sin.to(BF16), k_cache, v_cache, slots, h, hkv)
+    kernels.rope_and_cache_write(view, positions, cos.to(dtype), sin.to(dtype), k_cache, v_cache, slots, h, hkv)
     assert torch.equal(view[:, : h * d].view(t, h, d), q_ref)
     assert torch.equal(view[:, h * d : (h + hkv) * d].view(t, hkv, d), k_ref)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
     # the layout itself: a head's keys of a block are contiguous, [block, kv head, offset, dim]
     assert torch.equal(k_cache[slots // block_size, :, slots % block_size], k_ref)
-    assert torch.equal(buf[:, qkv.shape[1] :], torch.zeros(t, 32, dtype=BF16))  # nothing past the row
+    assert torch.equal(buf[:, qkv.shape[1] :], torch.zeros(t, 32, dtype=dtype))  # nothing past the row
+
+
+def test_rope_and_cache_write_rejects_mixed_dtypes():
+    h, hkv, d = 2, 1, 8
+    qkv = torch.zeros(1, (h + 2 * hkv) * d)
+    tables = torch.ones(4, d), torch.zeros(4, d)
+    cache = torch.zeros(2, hkv, 4, d)
+    args = (torch.tensor([0]), *tables, cache, cache.clone(), torch.tensor([1]), h, hkv)
+    kernels.rope_and_cache_write(qkv, *args)  # all float32: fine
+    for bad in (qkv.to(BF16), qkv.double()):
+        with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
+            kernels.rope_and_cache_write(bad, *args)
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):  # bf16 tables with float32 qkv
+        kernels.rope_and_cache_write(qkv, args[0], tables[0].to(BF16), tables[1].to(BF16), *args[3:])
 
 
 def test_silu_and_mul_matches_reference():
@@ -61,6 +78,56 @@ def test_silu_and_mul_matches_reference():
     # same formula and roundings; only the last bit of exp may differ
     torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-5)  # two bf16 ulps
     assert (out == ref).float().mean() > 0.99
+
+
+# float32 tolerances. SiLU: the reference's exp is Sleef's (1 ulp), the kernel's glibc's vectorized
+# expf, and -ffast-math makes the division a reciprocal estimate plus a Newton step (~2 ulps): a
+# few float ulps (2^-24 = 6e-8 relative each) in all, under 1e-6 relative. RMSNorm: the same
+# operations in the same order, except the sum of squares (another summation order: blocked sums
+# of at most a few thousand terms differ by a few 1e-7 relative), which moves the scale 1 / rms by
+# half of that; 1e-6 relative again. atol only for results that round to 0 on one side.
+F32_RTOL, F32_ATOL = 1e-6, 1e-30
+
+
+@pytest.mark.parametrize("t,inter", [(1, 1536), (7, 1536), (3, 13)])
+def test_silu_and_mul_float32_matches_reference(t, inter):
+    g = torch.Generator().manual_seed(inter + t)
+    gate_up = torch.randn(t, 2 * inter + 5, generator=g)[:, : 2 * inter] * 8  # strided rows
+    gate_up[0, :8] = torch.tensor([-1e4, -100.0, -88.5, -87.0, 0.0, 87.0, 100.0, 1e4])  # e^-x would overflow
+    gate, up = gate_up.split(inter, dim=-1)
+    ref = F.silu(gate) * up
+    out = kernels.silu_and_mul(gate_up)
+    assert out.dtype == F32 and out.shape == (t, inter) and out.isfinite().all()
+    torch.testing.assert_close(out, ref, rtol=F32_RTOL, atol=F32_ATOL)
+
+
+@pytest.mark.parametrize("t,n", [(1, 576), (5, 576), (3, 4096 + 7), (2, 1)])
+def test_add_rms_norm_float32_matches_reference(t, n):
+    from pagedllm.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(n + t)
+    x = torch.randn(t, n, generator=g) * 3
+    residual = torch.randn(t, n, generator=g)
+    norm = RMSNorm(n, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(n, generator=g) + 0.5)
+    expected_residual = residual + x
+    ref = norm(expected_residual)  # transformers' float32 formula
+    out = kernels.add_rms_norm(x, residual, norm.weight.detach(), 1e-5)
+    assert torch.equal(residual, expected_residual)  # the same single rounding of each sum
+    torch.testing.assert_close(out, ref, rtol=F32_RTOL, atol=F32_ATOL)
+
+
+def test_layer_kernels_reject_mixed_dtypes():
+    x, w = torch.randn(2, 16), torch.ones(16)
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
+        kernels.add_rms_norm(x, x.clone(), w.to(BF16), 1e-5)
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
+        kernels.add_rms_norm(x.double(), x.double(), w.double(), 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.add_rms_norm(x, x.clone(), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernels.silu_and_mul(x.double())
 
 
 def test_add_rms_norm_updates_residual_and_normalizes():
@@ -155,26 +222,75 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engi
     assert compared >= 12
 
 
-@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 49152 + 5])
-def test_argmax_rows_equals_torch_first_maximum(n):
+def _final_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The model's output (final-norm hidden states) for one prompt: one prefill step of the engine."""
+    captured = []
+    handle = llm.llm_engine.model.register_forward_hook(lambda mod, inp, out: captured.append(out.clone()))
+    try:
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+@pytest.mark.parametrize(
+    "family,engine_args",
+    [
+        ("llama", {}),
+        ("llama3_rope", {}),
+        ("qwen2", {}),
+        ("mistral", {}),
+        ("mistral", {"max_num_batched_tokens": 16}),  # prompt chunks after a cached context
+    ],
+)
+def test_fused_float32_forward_matches_reference(tiny_model_dirs, family, engine_args):
+    """float32 through the kernels: RoPE and the cache write are the reference's bits, SiLU and
+    add + RMSNorm a few float ulps off (see F32_RTOL), so the logits agree to float rounding and
+    every greedy token is the reference's."""
+    prompts = [[1, 5, 9, 200, 3], list(range(10, 60)), [7] * 23]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3, ignore_eos=True)
+    outs, logits = {}, {}
+    for backend in ("auto", "torch"):
+        llm = LLM(
+            model=tiny_model_dirs[family], dtype="float32", num_kv_blocks=64, attention_backend=backend, **engine_args
+        )
+        model = llm.llm_engine.model
+        assert (model.kernels is not None) == (backend == "auto")
+        assert model.activation_dtype() == F32
+        logits[backend] = model.compute_logits(_final_hidden(llm, list(range(3, 80))))
+        outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    # The norms' few-ulp differences reach logits of order 5 as ~1e-6 of rounding; 1e-5 is ~20 float ulps there.
+    torch.testing.assert_close(logits["auto"], logits["torch"], rtol=1e-5, atol=1e-5)
+    for fast, ref in zip(outs["auto"], outs["torch"], strict=True):
+        assert fast.token_ids == ref.token_ids
+        for lp_fast, lp_ref in zip(fast.logprobs, ref.logprobs, strict=True):
+            for tok in lp_fast.keys() & lp_ref.keys():
+                assert abs(lp_fast[tok] - lp_ref[tok]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 63, 64, 65, 100, 49152 + 5])
+def test_argmax_rows_equals_torch_first_maximum(n, dtype):
     g = torch.Generator().manual_seed(n)
-    rows = torch.randn(7, n + 3, generator=g).to(BF16)[:, :n]  # strided rows
+    rows = torch.randn(7, n + 3, generator=g).to(dtype)[:, :n]  # strided rows
     rows[1] = rows[1].round()  # many ties: the first maximum wins
     rows[2, : n // 2] = float("-inf")  # masked tokens
     rows[3] = 0.0
     rows[3, n // 2 :] = -0.0  # -0 and +0 are equal
     rows[4] = -rows[4].abs() - 1  # all negative
     rows[5, -1] = 100.0  # the maximum in the tail
+    rows[6, n // 2 :] = rows[6].max() + 1  # equal maxima from the middle on: the first is past 64 for large n
     expected = rows.float().max(dim=-1).indices
     first = torch.stack([(r.float() == r.float().max()).nonzero()[0, 0] for r in rows])
     assert torch.equal(expected, first)  # torch's max returns the first maximum here too
     assert torch.equal(kernels.argmax_rows(rows), expected)
 
 
-def test_greedy_sampler_uses_the_kernel_and_agrees():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_greedy_sampler_uses_the_kernel_and_agrees(dtype):
     from test_sampling import make_req
 
-    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(BF16)
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
     reqs = [make_req(prompt=[1], temperature=0.0) for _ in range(5)]
     calls = []
 

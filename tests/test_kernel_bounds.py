@@ -59,12 +59,13 @@ def test_decode_with_many_query_heads(dtype):
     assert torch.allclose(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_rope_and_cache_write_rejects_bad_slots_and_positions():
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_rope_and_cache_write_rejects_bad_slots_and_positions(dtype):
     h, hkv, d, t, bs, num_blocks = 4, 2, 16, 3, 4, 2
-    qkv = torch.zeros(t, (h + 2 * hkv) * d, dtype=BF16)
-    cos = torch.ones(10, d, dtype=BF16)
-    sin = torch.zeros(10, d, dtype=BF16)
-    k_cache = torch.zeros(num_blocks, hkv, bs, d, dtype=BF16)
+    qkv = torch.zeros(t, (h + 2 * hkv) * d, dtype=dtype)
+    cos = torch.ones(10, d, dtype=dtype)
+    sin = torch.zeros(10, d, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, hkv, bs, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     positions = torch.tensor([0, 1, 2])
     kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, torch.tensor([0, 5, 7]), h, hkv)

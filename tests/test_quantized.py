@@ -195,12 +195,24 @@ def test_kernel_path_close_to_reference(gguf_files, kernels):
     fast = LLM(model=path, dtype="float32", num_kv_blocks=32, quantization="gguf")
     ref = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
     assert fast.llm_engine.model.layers[0].mlp.down_proj.kernels is not None
+    assert fast.llm_engine.model.kernels is not None and ref.llm_engine.model.kernels is None  # fused layer ops
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
     lf = fast.llm_engine.model.compute_logits(_hidden(fast, ids))
     lr = ref.llm_engine.model.compute_logits(_hidden(ref, ids))
     # int16 activations at every layer (~1e-5 relative rounding each) and a different summation
     # order: far below 0.1% of the logit scale on this random model
     assert (lf - lr).abs().max() <= 1e-3 * lr.abs().max()
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+@pytest.mark.parametrize("quantization", ["gguf", None])
+def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantization):
+    """Native (QuantizedLinear layers and a QuantizedEmbedding without a float weight) and
+    dequantized float32 models both run the fused layer kernels between their GEMMs."""
+    llm = LLM(model=gguf_files[which], dtype="float32", num_kv_blocks=32, quantization=quantization)
+    model = llm.llm_engine.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) == (quantization == "gguf")
+    assert model.activation_dtype() == torch.float32 and model.kernels is not None
 
 
 def test_quantization_flag_validation(tiny_llama):

@@ -2,7 +2,8 @@
 use, see load_cpu_kernels). Models, layers and the runner take this object, never the raw module,
 so what each kernel takes and does is written down once, here.
 
-All tensors are on the CPU; bf16 unless named otherwise. Each kernel is tested against the
+All tensors are on the CPU; bf16 unless named otherwise (the layer kernels, RoPE + cache write,
+SiLU-and-mul, add + RMSNorm and the row argmax, take float32 too). Each kernel is tested against the
 PyTorch reference path (tests/test_cpu_kernels.py, tests/test_attention.py).
 """
 
@@ -68,20 +69,21 @@ class CpuKernels:
         num_kv_heads: int,
     ) -> None:
         """RoPE on the q and k parts of each fused qkv row (in place), then k and v stored at the
-        row's cache slot."""
+        row's cache slot. qkv, cos / sin [max_positions, head_dim] and the caches: all bf16 or all
+        float32."""
         self._m.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
     # ---- elementwise ----------------------------------------------------------------------
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a fused [T, 2I] gate_up projection -> [T, I]."""
+        """silu(gate) * up of a fused [T, 2I] gate_up projection -> [T, I] (bf16 or float32)."""
         return self._m.silu_and_mul(gate_up)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """residual += x (in place); returns rms_norm(residual) * weight."""
+        """residual += x (in place); returns rms_norm(residual) * weight (all bf16 or all float32)."""
         return self._m.add_rms_norm(x, residual, weight, eps)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Index of the first maximum of each row of bf16 logits [T, V] -> [T] long."""
+        """Index of the first maximum of each row of bf16 or float32 logits [T, V] -> [T] long."""
         return self._m.argmax_rows(x)
 
     # ---- GEMM -----------------------------------------------------------------------------

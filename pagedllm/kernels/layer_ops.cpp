@@ -1,9 +1,11 @@
-// Fused element-wise steps of a decoder layer for bfloat16 on the CPU.
+// Fused element-wise steps of a decoder layer for bfloat16 and float32 on the CPU.
 //
 // Each replaces a chain of small torch ops (each its own pass over memory, its own temporary and
-// its own dispatch): RoPE + KV-cache write, SiLU-and-multiply, residual add + RMSNorm. They round
-// to bfloat16 wherever the PyTorch reference path (the Hugging Face formulas run in bf16) rounds,
-// so RoPE and SiLU-and-multiply give the reference's bits; RMSNorm rounds once at the end.
+// its own dispatch): RoPE + KV-cache write, SiLU-and-multiply, residual add + RMSNorm. In bf16 they
+// round to bfloat16 wherever the PyTorch reference path (the Hugging Face formulas run in bf16)
+// rounds, so RoPE and SiLU-and-multiply give the reference's bits; RMSNorm rounds once at the end.
+// In float32 they compute the reference's formulas in float: RoPE gives its bits, SiLU and RMSNorm
+// differ in the last bits only (exp / division approximations, summation order).
 #include "common.h"
 
 #include <algorithm>
@@ -34,17 +36,62 @@ inline void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int
   }
 }
 
+// The float32 reference, x * cos + rotate_half(x) * sin, rounds each product and the sum: no
+// fused multiply-adds here (gcc contracts a * b + c by default), so the rotated values are its
+// bits. The attribute holds for this function only; it calls nothing that would need inlining.
+__attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const float* cos, const float* sin,
+                                                            int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// E: uint16_t (bf16 bits) or float, the element of qkv, the tables and the caches.
+template <typename E>
+void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64_t* sp, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
+                               int64_t num_kv_heads) {
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  E* base = reinterpret_cast<E*>(qkv.data_ptr());
+  const E* cp = reinterpret_cast<const E*>(cos.data_ptr());
+  const E* snp = reinterpret_cast<const E*>(sin.data_ptr());
+  E* kc = reinterpret_cast<E*>(k_cache.data_ptr());
+  E* vc = reinterpret_cast<E*>(v_cache.data_ptr());
+  const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D;
+  const int64_t block_size = k_cache.size(2), head_stride = block_size * D, blk_stride = num_kv_heads * head_stride;
+  at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      E* row = base + t * row_stride;
+      const E* c = cp + pp[t] * D;
+      const E* s = snp + pp[t] * D;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rope_head(row + h * D, c, s, D);
+      const E* k = row + num_heads * D;
+      const int64_t at = (sp[t] / block_size) * blk_stride + (sp[t] % block_size) * D;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        std::memcpy(kc + at + h * head_stride, k + h * D, D * sizeof(E));
+        std::memcpy(vc + at + h * head_stride, k + kv_row + h * D, D * sizeof(E));
+      }
+    }
+  });
+}
+
 }  // namespace
 
-// qkv: [T, (H + 2 * Hkv) * D] bf16, rows may be strided; q and k parts are rotated in place,
-// then k and v are stored at slot_mapping in the paged caches [num_blocks, Hkv, block_size, D].
-// cos/sin: [max_positions, D] bf16 tables (the reference casts its float tables to bf16 too).
+// qkv: [T, (H + 2 * Hkv) * D] bf16 or float32, rows may be strided; q and k parts are rotated in
+// place, then k and v are stored at slot_mapping in the paged caches [num_blocks, Hkv, block_size, D].
+// cos/sin: [max_positions, D] tables in qkv's dtype (the bf16 reference casts its float tables to
+// bf16 too). The caches are in qkv's dtype.
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                           int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                  cos.scalar_type() == torch::kBFloat16,
-              "rope_and_cache_write: bfloat16 only");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && k_cache.scalar_type() == dt &&
+                  v_cache.scalar_type() == dt && cos.scalar_type() == dt && sin.scalar_type() == dt,
+              "rope_and_cache_write: qkv, tables and caches all bfloat16 or all float32");
   TORCH_CHECK(qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_and_cache_write: bad layout");
@@ -55,15 +102,11 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
   auto slots = slot_mapping.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  uint16_t* base = reinterpret_cast<uint16_t*>(qkv.data_ptr());
-  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const uint16_t* snp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
-  uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
-  const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D, max_pos = cos.size(0);
-  const int64_t block_size = k_cache.size(2), head_stride = block_size * D, blk_stride = num_kv_heads * head_stride;
+  const int64_t max_pos = cos.size(0), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) == num_kv_heads && k_cache.sizes() == v_cache.sizes(),
               "cache geometry");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "rope_and_cache_write: cos / sin tables [max_positions, head_dim]");
   // Checked here, before any thread writes: a slot outside the cache would write anywhere in memory.
   const int64_t num_slots = k_cache.size(0) * block_size;
   for (int64_t t = 0; t < T; ++t) {
@@ -72,31 +115,48 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_and_cache_write: slot ", sp[t], " of token ", t,
                 " outside the cache (", num_slots, " slots)");
   }
-  at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
+  if (dt == torch::kBFloat16)
+    rope_and_cache_write_impl<uint16_t>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+  else
+    rope_and_cache_write_impl<float>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+}
+
+namespace {
+// silu(gate) * up in float32, the reference's x / (1 + e^-x) then the product. e^-x is capped
+// below float overflow: with -ffast-math the division is a reciprocal estimate, which turns an
+// infinite denominator into NaN; capped, a gate under -88 gives 0 (the reference: -0).
+void silu_and_mul_f32(const float* in, int64_t stride, float* op, int64_t T, int64_t I) {
+  at::parallel_for(0, T, grain_for(2 * I), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      uint16_t* row = base + t * row_stride;
-      const uint16_t* c = cp + pp[t] * D;
-      const uint16_t* s = snp + pp[t] * D;
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rope_head(row + h * D, c, s, D);
-      const uint16_t* k = row + num_heads * D;
-      const int64_t at = (sp[t] / block_size) * blk_stride + (sp[t] % block_size) * D;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        std::memcpy(kc + at + h * head_stride, k + h * D, D * sizeof(uint16_t));
-        std::memcpy(vc + at + h * head_stride, k + kv_row + h * D, D * sizeof(uint16_t));
+      const float* g = in + t * stride;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = g[i];
+        o[i] = x / (1.f + std::exp(std::min(-x, 88.f))) * u[i];
       }
     }
   });
 }
+}  // namespace
 
-// gate_up: [T, 2 * I] bf16 -> [T, I] = silu(gate) * up, silu rounded to bf16 before the product.
+// gate_up: [T, 2 * I] bf16 or float32 -> [T, I] = silu(gate) * up; bf16: silu rounded to bf16
+// before the product.
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.stride(1) == 1,
-              "silu_and_mul: [T, 2I] bfloat16 with contiguous rows");
+  const auto dt = gate_up.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_and_mul: [T, 2I] bfloat16 or float32 with contiguous rows");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
+  const int64_t stride = gate_up.stride(0);
+  if (dt == torch::kFloat) {
+    silu_and_mul_f32(gate_up.data_ptr<float>(), stride, out.data_ptr<float>(), T, I);
+    return out;
+  }
   const uint16_t* in = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t stride = gate_up.stride(0);
   at::parallel_for(0, T, grain_for(2 * I), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const uint16_t* g = in + t * stride;
@@ -122,13 +182,50 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// residual <- bf16(residual + x) in place; returns rms_norm(residual) * weight, rounded once.
+namespace {
+// residual <- residual + x; out = weight * (residual * rsqrt(mean(residual^2) + eps)), the
+// reference's float32 formula (transformers' RMSNorm). Only the sum of squares differs (another
+// order, fused multiply-adds).
+void add_rms_norm_f32(const float* xp, float* rp, const float* wp, float* op, int64_t T, int64_t N, float eps) {
+  at::parallel_for(0, T, grain_for(N), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* r = rp + t * N;
+      const float* xr = xp + t * N;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) {
+        const float v = r[i] + xr[i];
+        r[i] = v;
+        ss += v * v;
+      }
+      // torch's rsqrt: a rounded sqrt, then a division. volatile keeps -ffast-math from making
+      // the two one approximate reciprocal square root.
+      volatile float root = std::sqrt(ss / static_cast<float>(N) + eps);
+      const float inv = 1.f / root;
+      float* o = op + t * N;
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) o[i] = wp[i] * (r[i] * inv);
+    }
+  });
+}
+}  // namespace
+
+// residual <- residual + x in place (bf16: rounded to bf16); returns rms_norm(residual) * weight
+// (bf16: rounded once). x, residual and weight all bfloat16 or all float32.
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && residual.scalar_type() == torch::kBFloat16 &&
-                  weight.scalar_type() == torch::kBFloat16,
-              "add_rms_norm: bfloat16 only");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && residual.scalar_type() == dt &&
+                  weight.scalar_type() == dt,
+              "add_rms_norm: x, residual and weight all bfloat16 or all float32");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() && x.sizes() == residual.sizes(),
               "add_rms_norm: contiguous [T, hidden] tensors of one shape");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "add_rms_norm: weight [hidden]");
+  if (dt == torch::kFloat) {
+    auto out = torch::empty_like(x);
+    add_rms_norm_f32(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                     x.size(0), x.size(1), static_cast<float>(eps));
+    return out;
+  }
   const int64_t T = x.size(0), N = x.size(1);
   auto out = torch::empty_like(x);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -163,16 +260,50 @@ inline int16_t bf16_order_key(uint16_t x) {
   const int16_t v = static_cast<int16_t>(x), s = static_cast<int16_t>(v >> 15);
   return static_cast<int16_t>((v ^ (s & 0x7FFF)) - s);
 }
+
+// The same for float32 bits.
+inline int32_t f32_order_key(int32_t v) {
+  const int32_t s = v >> 31;
+  return (v ^ (s & 0x7FFFFFFF)) - s;
+}
+
+// argmax_rows of float32 rows: the maximum key by a vectorized reduction, then its first index,
+// found 64 keys at a time.
+void argmax_rows_f32(const int32_t* base, int64_t stride, int64_t* op, int64_t M, int64_t N) {
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int32_t* p = base + r * stride;
+      int32_t best = f32_order_key(p[0]);
+#pragma omp simd reduction(max : best)
+      for (int64_t i = 1; i < N; ++i) best = std::max(best, f32_order_key(p[i]));
+      int64_t at = 0;
+      for (; at + 64 <= N; at += 64) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = at; i < at + 64; ++i) hit |= f32_order_key(p[i]) == best;
+        if (hit) break;
+      }
+      while (f32_order_key(p[at]) != best) ++at;
+      op[r] = at;
+    }
+  });
+}
 }  // namespace
 
-// Index of the first maximum of each row of [M, N] bfloat16 logits (greedy sampling). Compares
-// integer keys of the bf16 bits, 32 per instruction; torch's bf16 max reduction is several times
-// slower on this path (3.5 ms per step for 200 x 49K logits). A NaN logit counts as the largest.
+// Index of the first maximum of each row of [M, N] bfloat16 (or float32) logits (greedy
+// sampling). Compares integer keys of the bf16 bits, 32 per instruction; torch's bf16 max
+// reduction is several times slower on this path (3.5 ms per step for 200 x 49K logits). A NaN
+// logit counts as the largest.
 torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
-              "argmax_rows: [M, N] bfloat16 with contiguous rows, N > 0");
+  TORCH_CHECK((x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat) && x.dim() == 2 &&
+                  x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: [M, N] bfloat16 or float32 with contiguous rows, N > 0");
   const int64_t M = x.size(0), N = x.size(1), stride = x.stride(0);
   auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  if (x.scalar_type() == torch::kFloat) {
+    argmax_rows_f32(reinterpret_cast<const int32_t*>(x.data_ptr()), stride, out.data_ptr<int64_t>(), M, N);
+    return out;
+  }
   const uint16_t* base = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {

@@ -58,6 +58,15 @@ class RotaryEmbedding(nn.Module):
             self._bf16 = (self.cos.to(torch.bfloat16).contiguous(), self.sin.to(torch.bfloat16).contiguous())
         return self._bf16
 
+    def f32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole cos/sin tables in float32 for the fused CPU RoPE kernel: the tables themselves,
+        whose rows the float32 reference path uses as they are."""
+        return self.cos.contiguous(), self.sin.contiguous()
+
+    def kernel_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused CPU RoPE kernel's tables for activations of ``dtype`` (bf16 or float32)."""
+        return self.bf16_tables() if dtype == torch.bfloat16 else self.f32_tables()
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for this step's positions, [T, 1, D], looked up once for all layers."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
@@ -166,14 +175,32 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
         self.packed_head = None
-        self.kernels: CpuKernels | None = None  # compiled CPU kernels for the bf16 fast path (enable_cpu_kernels)
+        self.kernels: CpuKernels | None = None  # compiled CPU kernels of the fused path (enable_cpu_kernels)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
+    def activation_dtype(self) -> torch.dtype:
+        """dtype of the hidden states: the embedding's output. A QuantizedEmbedding (native GGUF)
+        has no float weight; it says its output dtype itself."""
+        emb = self.embed_tokens
+        if isinstance(emb, nn.Embedding):
+            return emb.weight.dtype
+        return getattr(emb, "dtype", self.norm.weight.dtype)
+
     def enable_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
-        """Runs bf16 CPU forwards through the fused kernels (pagedllm.kernels); False if not applicable."""
-        w = self.embed_tokens.weight
-        if kernels is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.head_dim > 512:
+        """Runs bf16 and float32 CPU forwards through the fused kernels (pagedllm.kernels); False
+        if not applicable. Any linear layer will do (float, packed, GGUF-quantized): the kernels
+        take the activations between them."""
+        dtype = self.activation_dtype()
+        norms = [self.norm] + [
+            n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        if (
+            kernels is None
+            or dtype not in (torch.bfloat16, torch.float32)
+            or any(n.weight.dtype != dtype or n.weight.device.type != "cpu" for n in norms)
+            or self.head_dim > 512
+        ):
             return False
         self.kernels = kernels
         # Everything the fused loop needs, looked up once: at batch size 1 a step is ~120 small
@@ -212,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         nh, nkv, d, scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
         qs, kvs = attn.q_size, attn.kv_size
-        cos, sin = self.rope.bf16_tables()
+        cos, sin = self.rope.kernel_tables(x.dtype)
         slots = meta.slot_mapping
         t = x.shape[0]
         residual = x  # the embedding lookup made a fresh tensor: safe to update in place

@@ -70,7 +70,8 @@ def load_model(
     pack_weights: bool = True,
     cpu_kernels=None,
 ) -> nn.Module:
-    """``cpu_kernels``: the compiled kernel module (pagedllm.kernels) for the bf16 CPU fast path, or None."""
+    """``cpu_kernels``: the compiled CPU kernels (pagedllm.kernels) for the fused CPU path (bf16 and
+    float32; bf16 weights also packed for their GEMMs), or None."""
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)

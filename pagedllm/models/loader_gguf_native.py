@@ -175,6 +175,9 @@ def load_gguf_model(
             model.num_params += m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
         elif isinstance(m, QuantizedEmbedding):
             model.num_params += m.qweight.shape[0] * m.dim
+    # RoPE, the cache write, SiLU-and-mul and add + RMSNorm between the GEMMs: the fused kernels
+    if kernels is not None:
+        model.enable_cpu_kernels(kernels)
     formats = sorted({m.format for m in model.modules() if isinstance(m, QuantizedLinear)})
     n_kernel = sum(1 for m in model.modules() if isinstance(m, QuantizedLinear) and m.kernels is not None)
     n_quant = sum(1 for m in model.modules() if isinstance(m, QuantizedLinear))
