@@ -80,6 +80,15 @@ def test_silu_and_mul_matches_reference():
     assert (out == ref).float().mean() > 0.99
 
 
+def test_silu_and_mul_bf16_very_negative_gates_are_zero_not_nan():
+    # e^-x overflows below -88.7; the reference's silu is then -0, the kernel must not make NaN
+    gate = torch.tensor([[-1e4, -100.0, -88.5, 0.0, 100.0]])
+    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1).to(BF16)
+    out = kernels.silu_and_mul(gate_up)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, F.silu(gate.to(BF16)) * 1, rtol=1.6e-2, atol=1e-5)
+
+
 # float32 tolerances. SiLU: the reference's exp is Sleef's (1 ulp), the kernel's glibc's vectorized
 # expf, and -ffast-math makes the division a reciprocal estimate plus a Newton step (~2 ulps): a
 # few float ulps (2^-24 = 6e-8 relative each) in all, under 1e-6 relative. RMSNorm: the same

@@ -173,8 +173,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 #else
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
+        // e^-x capped as in the float32 path: -ffast-math's reciprocal makes an infinite e^-x NaN
         const float x = bf16_bits_to_float(g[i]);
-        o[i] = float_to_bf16_bits(round_bf16(x / (1.f + std::exp(-x))) * bf16_bits_to_float(u[i]));
+        o[i] = float_to_bf16_bits(round_bf16(x / (1.f + std::exp(std::min(-x, 88.f)))) * bf16_bits_to_float(u[i]));
       }
 #endif
     }
