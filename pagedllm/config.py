@@ -19,8 +19,9 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None
     dtype: str = "auto"  # activations and KV cache; weights per `quantization`
-    # "gguf": a GGUF model's weights stay in their quantized blocks (integer kernels). None (CLI:
-    # none) or "auto" (for now): dequantize a GGUF to float32 at load, as before.
+    # "gguf": a GGUF model's weights stay in their quantized blocks (integer kernels). "auto": the
+    # same wherever the CPU kernels build, else dequantize at load. None (CLI: none): dequantize a
+    # GGUF to float32 at load.
     quantization: str | None = "auto"
     device: str = "cpu"
     seed: int = 0
