@@ -8,7 +8,8 @@
 #   3. the 200-request ShareGPT-like workload: native Q4_1 vs the bf16 path (--quantization none
 #      --dtype bfloat16).
 # Every timed run holds the shared benchmark lock (one benchmark at a time on the 2 cores).
-# Then summarize.py writes results.json + results.md + results.png.
+# Raw outputs go to raw/ (not committed: they hold local file paths); then summarize.py writes
+# results.json + results.md + results.png.
 #   LLAMACPP_BIN (required): folder with llama-bench, llama-batched-bench, llama-quantize
 #     (benchmarks/anchors/build_llamacpp.sh builds them)
 #   SCRATCH: where the requantized files go (default /tmp/pagedllm-quantized)
@@ -18,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=benchmarks/results/quantized
 SCRATCH=${SCRATCH:-/tmp/pagedllm-quantized}
-PARTS=${PARTS:-bs1 batched sharegpt}
+PARTS=${PARTS:-bs1 batched}  # add "sharegpt" for part 3
 LOCK=/tmp/pagedllm-bench.lock
 export PYTHONPATH=$PWD
 mkdir -p "$SCRATCH" "$OUT/raw"
@@ -36,8 +37,9 @@ ours() { flock "$LOCK" python3 -m pagedllm.entrypoints.cli bench "$@"; }
 if [[ " $PARTS " == *" bs1 "* ]]; then
   rm -rf "$OUT/raw/latency"
   for q in Q4_1 Q4_0 Q8_0; do
+    # no prefix cache: every pass prefills its prompts again, as llama-bench does
     ours latency --model "${FILE[$q]}" --workload fixed --input-len 150 --output-len 128 --num-prompts 5 \
-      --label "pagedllm $q" --out-dir "$OUT/raw/latency"
+      --no-enable-prefix-caching --label "pagedllm $q" --out-dir "$OUT/raw/latency"
     flock "$LOCK" "$LLAMACPP_BIN/llama-bench" -m "${FILE[$q]}" -pg 150,128 -p 0 -n 0 -t 2 -r 3 -o json \
       >"$OUT/raw/llama-bench-$q.json" 2>/dev/null
   done
