@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -21,3 +22,13 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of many tiny-model runs (``pytestmark = pytest.mark.usefixtures(...)``): a tiny
+    model is far faster on one thread, and on a busy 2-core machine two threads crawl."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

@@ -14,13 +14,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.bench.perplexity import chunk_windows, perplexity, read_text, scored_positions, tokenize
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_perplexity(model_dir: str, windows: list[list[int]]) -> float:

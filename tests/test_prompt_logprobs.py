@@ -20,13 +20,7 @@ from pagedllm.sequence import Sequence
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny model is far faster on one thread; with 2 threads on a busy 2-core box it crawls."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_prompts(lengths=(1, 2, 3, 15, 16, 17, 40, 77, 120), seed: int = 0) -> list[list[int]]:

@@ -15,13 +15,7 @@ from pagedllm.sampler import Sampler, _filter
 EOS = 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny model is far faster on one thread; with 2 threads on a busy 2-core box it crawls."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------
