@@ -49,6 +49,10 @@ def load_cpu_kernels() -> CpuKernels | None:
             # 512-bit vectors: gcc defaults to 256 on many Intel targets.
             flags = ["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"]
             name = f"pagedllm_cpu_kernels_{digest.hexdigest()[:10]}"
+            if os.environ.get("PAGEDLLM_KERNELS_INCREMENTAL") == "1":
+                # Kernel development: one build directory per checkout, so ninja recompiles only
+                # the sources that changed (a full build is minutes on 2 cores).
+                name = f"pagedllm_cpu_kernels_dev_{hashlib.sha256(os.path.abspath(here).encode()).hexdigest()[:10]}"
             _remove_stale_build_lock(name)
             ext = load(
                 name=name,
