@@ -138,6 +138,15 @@ def test_prompt_too_long_names_the_numbers(http):
     assert_error(r, 400, "600")
 
 
+def test_json_integers_are_valid_floats(http):
+    # Strict types must not reject what OpenAI accepts: 0 and 1 are numbers for float fields.
+    body = {**COMPLETION, "temperature": 0, "top_p": 1, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={**CHAT, "temperature": 1, "frequency_penalty": 0})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_fields_are_ignored(http):
     r = http.post("/v1/completions", json={**COMPLETION, "not_a_field": {"x": [1]}, "logit_bias": {}, "user": "u1"})
     assert r.status_code == 200, r.text
@@ -311,6 +320,38 @@ HARDENING_CASES = [
     # wrong types
     ("/v1/completions", {**COMPLETION, "stop_token_ids": ["a"]}, ["stop_token_ids"], "stop_token_ids"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, ["messages"], "messages"),
+    # strict JSON types: no lax coercion of strings, floats or bools into ints, floats and bools
+    ("/v1/completions", {**COMPLETION, "n": "2"}, ["n", "integer", "'2'"], "n"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": "5"}, ["max_tokens", "integer"], "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 2.0}, ["max_tokens", "integer"], "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": True}, ["max_tokens", "integer"], "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "seed": "7"}, ["seed", "integer"], "seed"),
+    ("/v1/completions", {**COMPLETION, "top_k": 5.5}, ["top_k", "integer"], "top_k"),
+    ("/v1/completions", {**COMPLETION, "logprobs": "1"}, ["logprobs", "integer"], "logprobs"),
+    ("/v1/completions", {**COMPLETION, "best_of": False}, ["best_of", "integer"], "best_of"),
+    ("/v1/completions", {**COMPLETION, "temperature": "0.5"}, ["temperature", "number"], "temperature"),
+    ("/v1/completions", {**COMPLETION, "top_p": True}, ["top_p", "number"], "top_p"),
+    ("/v1/completions", {**COMPLETION, "echo": "false"}, ["echo", "boolean"], "echo"),
+    ("/v1/completions", {**COMPLETION, "stream": 1}, ["stream", "boolean"], "stream"),
+    ("/v1/completions", {**COMPLETION, "ignore_eos": "yes"}, ["ignore_eos", "boolean"], "ignore_eos"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": ["3"]}, ["stop_token_ids"], "stop_token_ids"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["1", 2]}, ["prompt"], "prompt"),
+    (
+        "/v1/completions",
+        {**COMPLETION, "stream": True, "stream_options": {"include_usage": "true"}},
+        ["stream_options", "boolean"],
+        "stream_options",
+    ),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, ["logprobs", "boolean"], "logprobs"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": "4"},
+        ["max_completion_tokens"],
+        "max_completion_tokens",
+    ),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 1.0}, ["top_logprobs"], "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "add_generation_prompt": 0}, ["add_generation_prompt"], "add_generation_prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": 1, "content": "hi"}]}, ["messages"], "messages"),
     # caps (server flags with defaults)
     ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 257}, ["256"], "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 100, "n": 11}, ["1024"], "n"),

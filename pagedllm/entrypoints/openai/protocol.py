@@ -3,6 +3,11 @@
 Unknown fields are ignored, as the OpenAI API and vLLM do (``extra="ignore"``), so clients that
 send newer or vendor-specific fields keep working. Fields that have a default also accept an
 explicit ``null`` meaning "the default", because some clients send nulls.
+
+Types are strict (``strict=True``): ``"n": "2"``, ``"max_tokens": 2.0`` or ``"stream": 1`` are 400s
+naming the field, as OpenAI answers them, rather than silently coerced (lax coercion hides client
+bugs, and ``"echo": "false"`` would mean True). A JSON integer is still a valid float
+(``"temperature": 1``): strict pydantic accepts int for float.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class APIError(Exception):
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 def check_json_value(value: Any) -> None:
@@ -153,7 +158,8 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+    # name, tool_call_id, ...: passed to the template; role and content typed strictly as above
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextContentPart] | None = None
 
