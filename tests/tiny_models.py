@@ -52,8 +52,9 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
 FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral")
 
 
-def build_model(family: str, out_dir: str, seed: int = 0) -> str:
-    """Writes a tiny checkpoint of the family into out_dir (if not already there)."""
+def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None = None) -> str:
+    """Writes a tiny checkpoint of the family into out_dir (if not already there). ``head_dim``:
+    "llama" only, an explicit head size instead of hidden_size / heads (16)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -81,6 +82,7 @@ def build_model(family: str, out_dir: str, seed: int = 0) -> str:
             num_key_value_heads=2,
             tie_word_embeddings=False,
             rope_theta=10000.0,
+            **({"head_dim": head_dim} if head_dim is not None else {}),
             **common,
         )
         cls = LlamaForCausalLM
@@ -122,6 +124,8 @@ def build_model(family: str, out_dir: str, seed: int = 0) -> str:
         cls = MistralForCausalLM
     else:
         raise ValueError(family)
+    if head_dim is not None and family != "llama":
+        raise ValueError(f"head_dim is a 'llama' option, not {family!r}'s")
     torch.manual_seed(seed)
     model = cls(cfg)
     _init(model, std=0.15, seed=seed)

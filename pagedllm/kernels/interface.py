@@ -13,10 +13,39 @@ from types import ModuleType
 
 import torch
 
+# rope_and_cache_write rotates a head in fixed 256-float halves (layer_ops.cpp rope_head).
+MAX_ROPE_HEAD_DIM = 512
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
 
 class CpuKernels:
     def __init__(self, module: ModuleType) -> None:
         self._m = module
+
+    # ---- what the kernels take ------------------------------------------------------------
+    # The kernels refuse shapes they do not handle with a TORCH_CHECK, which would fail every step
+    # of a model of that shape. These say so up front, so the engine decides once at load which
+    # parts run the PyTorch reference path (and logs why) instead. They mirror the C++ checks:
+    # tests/test_kernel_shapes.py holds each against the kernel itself.
+    def layer_ops_refusal(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+        """Why rope_and_cache_write / silu_and_mul / add_rms_norm (the fused decoder-layer path)
+        would refuse a model of this shape, or None when they take it."""
+        if dtype not in KERNEL_DTYPES:
+            return f"dtype {str(dtype).removeprefix('torch.')} (the layer kernels take bfloat16 and float32)"
+        if head_dim % 2 or head_dim > MAX_ROPE_HEAD_DIM:
+            return f"head_dim {head_dim} (the fused RoPE kernel takes an even head_dim up to {MAX_ROPE_HEAD_DIM})"
+        return None
+
+    def decode_attention_refusal(
+        self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> str | None:
+        """Why paged_decode_attention would refuse caches of this shape, or None when it takes
+        them (its portable path takes any head_dim; the SIMD paths are chosen inside)."""
+        if dtype not in KERNEL_DTYPES:
+            return f"dtype {str(dtype).removeprefix('torch.')} (decode attention takes bfloat16 and float32)"
+        if head_dim < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            return f"{num_heads} query heads over {num_kv_heads} KV heads (not a whole number per KV head)"
+        return None
 
     # ---- attention ----------------------------------------------------------------------
     def paged_decode_attention(

@@ -7,6 +7,7 @@ projections are fused into one matmul each: fewer, larger GEMMs are faster on ev
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,6 +18,8 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import attend, paged_attention
 from pagedllm.kernels.interface import CpuKernels
+
+logger = logging.getLogger("pagedllm")
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = None
         self.kernels: CpuKernels | None = None  # compiled CPU kernels of the fused path (enable_cpu_kernels)
         attn = self.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
     def activation_dtype(self) -> torch.dtype:
         """dtype of the hidden states: the embedding's output. A QuantizedEmbedding (native GGUF)
@@ -199,8 +202,12 @@ class LlamaForCausalLM(nn.Module):
             kernels is None
             or dtype not in (torch.bfloat16, torch.float32)
             or any(n.weight.dtype != dtype or n.weight.device.type != "cpu" for n in norms)
-            or self.head_dim > 512
         ):
+            return False
+        refusal = kernels.layer_ops_refusal(dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        if refusal is not None:
+            # Decided here, once: the kernel would refuse every step of this model otherwise.
+            logger.warning("pagedllm: the fused layer kernels do not take %s; the layers run the PyTorch path", refusal)
             return False
         self.kernels = kernels
         # Everything the fused loop needs, looked up once: at batch size 1 a step is ~120 small

@@ -7,6 +7,7 @@ SchedulerOutput says, from the state that output (and the ones before it) gave i
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,8 @@ from pagedllm.runner.seq_state import SeqState
 from pagedllm.sampler import Sampler
 from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedllm.utils import cdiv
+
+logger = logging.getLogger("pagedllm")
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # Prompt logprobs take the logits of at most this many rows at a time (a 2048-token prefill's
@@ -57,11 +60,23 @@ class ModelRunner:
         self.states: dict[str, SeqState] = {}
         self.block_tables = BlockTables(cdiv(max_model_len, block_size))
         self.sampler = Sampler(seed, kernels.argmax_rows if kernels is not None else None)
-        self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        self.decode_kernel = None
         self.prefill_kernel = None
-        if kernels is not None and kv_caches and kv_caches[0][0].dtype == torch.bfloat16:
-            if kernels.prefill_attention_available(model.head_dim, block_size):
-                self.prefill_kernel = kernels.paged_prefill_attention
+        if kernels is not None and kv_caches:
+            self._choose_attention_kernels(kernels, kv_caches[0][0], block_size)
+
+    def _choose_attention_kernels(self, kernels: CpuKernels, k_cache: torch.Tensor, block_size: int) -> None:
+        """The compiled attention kernels this model's caches can use, decided once here: a kernel
+        that refuses the shape would otherwise fail every step (the reference path takes any)."""
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+        refusal = kernels.decode_attention_refusal(k_cache.dtype, self.model.num_heads, num_kv_heads, head_dim)
+        if refusal is not None:
+            logger.warning("pagedllm: the decode attention kernel does not take %s; it runs the PyTorch path", refusal)
+        else:
+            self.decode_kernel = kernels.paged_decode_attention
+        # Available only where built with AVX512-BF16, for some head sizes: not a refusal worth a log line.
+        if k_cache.dtype == torch.bfloat16 and kernels.prefill_attention_available(head_dim, block_size):
+            self.prefill_kernel = kernels.paged_prefill_attention
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
