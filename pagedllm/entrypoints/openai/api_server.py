@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -213,6 +213,66 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+# ---- 200 bodies, for the OpenAPI document only (the routes build plain dicts) -------------------
+# What a client generator or a fuzzer checks a response against (tests/test_openapi_fuzz.py runs
+# Schemathesis' response_schema_conformance on them). Logprobs stay free-form objects: their shape
+# follows OpenAI's and vLLM's, which differ by endpoint.
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # only when the request asks for them
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+def _generation_ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "model": model,
+            "description": 'The completion; with `"stream": true`, server-sent events of chunks ending in `[DONE]`.',
+            "content": {"text/event-stream": {}},
+        }
+    }
+
+
 def _err(description: str) -> dict:
     return {"model": ErrorBody, "description": description}
 
@@ -365,11 +425,11 @@ def build_app(
             ],
         }
 
-    @app.post("/v1/completions", responses=_REQUEST_ERRORS)
+    @app.post("/v1/completions", responses={**_generation_ok(CompletionResponse), **_REQUEST_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(body, raw_request)
 
-    @app.post("/v1/chat/completions", responses=_REQUEST_ERRORS)
+    @app.post("/v1/chat/completions", responses={**_generation_ok(ChatCompletionResponse), **_REQUEST_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)
 
