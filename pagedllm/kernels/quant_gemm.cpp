@@ -10,8 +10,10 @@
 // sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's min,
 // the K-quants' -dmin * m; Q4_0's "- 8" is folded into its integers):
 //     w[i] = s[i / 16] * q[i] + off  =>  dot(w_blk, x_blk) = dx * (s . idot) + off * dx * sum(qx)
-// The offset terms are summed beside the integer dot products, one scalar FMA per block in block
-// order (explicit intrinsics: -ffast-math may not reorder them), then added to the output.
+// The offset terms of an output are one FMA chain over its blocks in block order (explicit
+// intrinsics: -ffast-math may not reorder them), then added to the output: beside the dot
+// products for a few activation rows, in a pass of their own (activation rows in vector lanes,
+// the same chain per lane) for more.
 //
 // The micro-kernel takes 2 weight rows x up to 4 activation rows per pass (8 accumulators), so a
 // weight block is unpacked once per 4 activation rows and an activation block loaded once per 2
@@ -189,12 +191,14 @@ void quantize_row_q16(const float* x, int64_t K, int16_t* q, float* d, float* ds
   }
 }
 
-// Quantized activations of a call: q [M, K] int16, d and ds [M, nb].
+// Quantized activations of a call: q [M, K] int16, d and ds [M, nb]; ds_t: ds transposed [nb, M]
+// (where the offsets take their own pass).
 struct Activations {
   const int16_t* q;
   const float* d;
   const float* ds;
-  int64_t K, nb;
+  const float* ds_t;
+  int64_t K, nb, M;
 };
 
 // Weight rows of one tile as the micro-kernel reads them.
@@ -349,7 +353,11 @@ inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activ
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r)
-      if (r < rows) y[(m0 + m) * ldy + i0 + r] = _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(hsum(acc[r][m])), oacc[r][m]));
+      if (r < rows) {
+        float v = hsum(acc[r][m]);
+        if (kOffsets) v += _mm_cvtss_f32(oacc[r][m]);  // as add_offsets adds its lanes
+        y[(m0 + m) * ldy + i0 + r] = v;
+      }
 }
 #else
 inline void load_block(const DecodedRowRef& r, int64_t b, const int16_t** q, float* slo, float* shi, float* off) {
@@ -406,6 +414,40 @@ void tile_times_activations(const Tile& tile, int64_t nt, const Activations& a, 
     if (rest == 2) micro_kernel<2, 2, kTwoScales, kOffsets>(tile, i, nt - i, a, m, y, ldy);
   }
 }
+
+#if PAGEDLLM_QAVX2
+// y[m, i] += sum_b off[i, b] * ds[m, b] for a decoded tile, eight activation rows per vector: each
+// lane runs the FMA chain micro_kernel runs for one output, so the sums are the same.
+void add_offsets(const float* off, int64_t nt, const Activations& a, float* y, int64_t ldy) {
+  constexpr int R = 4;  // weight rows at once: independent FMA chains (one alone is latency-bound)
+  for (int64_t i0 = 0; i0 < nt; i0 += R) {
+    const int64_t rows = std::min<int64_t>(R, nt - i0);
+    const float* o[R];
+    for (int r = 0; r < R; ++r) o[r] = off + (i0 + (r < rows ? r : 0)) * a.nb;
+    int64_t m = 0;
+    for (; m + 8 <= a.M; m += 8) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const __m256 ds = _mm256_loadu_ps(a.ds_t + b * a.M + m);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(o[r][b]), ds, acc[r]);
+      }
+      for (int r = 0; r < rows; ++r) {
+        alignas(32) float s[8];
+        _mm256_store_ps(s, acc[r]);
+        for (int l = 0; l < 8; ++l) y[(m + l) * ldy + i0 + r] += s[l];
+      }
+    }
+    for (; m < a.M; ++m) {
+      for (int r = 0; r < rows; ++r) {
+        __m128 acc = _mm_setzero_ps();
+        for (int64_t b = 0; b < a.nb; ++b) acc = _mm_fmadd_ss(_mm_set_ss(o[r][b]), _mm_set_ss(a.ds_t[b * a.M + m]), acc);
+        y[m * ldy + i0 + r] += _mm_cvtss_f32(acc);
+      }
+    }
+  }
+}
+#endif
 
 template <class Tile>
 void tile_times_activations(const Tile& tile, int64_t nt, const Activations& a, int64_t M, float* y, int64_t ldy,
@@ -464,13 +506,19 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qxp + m * K, dxp + m * nb, dsp + m * nb);
   });
-  const Activations act{qxp, dxp, dsp, K, nb};
+  const bool direct = PAGEDLLM_QAVX2 && direct_format(qtype) && M < kDecodeFromRows;
+  const bool offsets = has_offsets(qtype), two = two_scales(qtype);
+  static thread_local std::vector<float> ds_t;
+  if (PAGEDLLM_QAVX2 && offsets && !direct) {
+    grow(ds_t, M * nb);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) ds_t[b * M + m] = dsp[m * nb + b];
+  }
+  const Activations act{qxp, dxp, dsp, ds_t.data(), K, nb, M};
 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  const bool direct = PAGEDLLM_QAVX2 && direct_format(qtype) && M < kDecodeFromRows;
-  const bool offsets = has_offsets(qtype), two = two_scales(qtype);
   // Output columns split across threads, a tile of weight rows at a time.
   const int64_t tiles = (N + kWeightTile - 1) / kWeightTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -493,7 +541,8 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
           } else {
             decode_rows_simd(tile, nt, nb, q.data(), sc.data(), off.data());
             tile_times_activations(DecodedTile{q.data(), sc.data(), off.data(), K, nb}, nt, act, M, out, N, false,
-                                   offsets);
+                                   false);
+            if (offsets) add_offsets(off.data(), nt, act, out, N);
           }
         };
         if (qtype == Q4_0) run(FileTile<Q4_0>{src, row_bytes});
@@ -504,7 +553,12 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
 #endif
       for (int64_t i = 0; i < nt; ++i)
         decode_row(qtype, src + i * row_bytes, K, q.data() + i * K, sc.data() + i * 2 * nb, off.data() + i * nb);
+#if PAGEDLLM_QAVX2
+      tile_times_activations(DecodedTile{q.data(), sc.data(), off.data(), K, nb}, nt, act, M, out, N, two, false);
+      if (offsets) add_offsets(off.data(), nt, act, out, N);
+#else
       tile_times_activations(DecodedTile{q.data(), sc.data(), off.data(), K, nb}, nt, act, M, out, N, two, offsets);
+#endif
     }
   });
   return y;
