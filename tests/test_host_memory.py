@@ -113,7 +113,10 @@ def test_cpu_kv_caches_are_separate_aligned_views_of_one_buffer():
 
     caches = [t for kv in allocate_kv_cache(3, 10, 4, 2, 8, torch.float32, torch.device("cpu")) for t in kv]
     assert len(caches) == 6 and all(t.shape == (10, 2, 4, 8) and t.is_contiguous() for t in caches)
-    assert all(t.data_ptr() % host_memory.HUGE_PAGE == 0 for t in caches)  # each on its own huge page
+    assert caches[0].data_ptr() % host_memory.HUGE_PAGE == 0  # the buffer starts on a huge page
+    assert all(t.data_ptr() % 64 == 0 for t in caches)  # then packed end to end, cache-line aligned
+    nbytes = caches[0].numel() * caches[0].element_size()
+    assert caches[-1].data_ptr() - caches[0].data_ptr() == 5 * nbytes  # no per-view padding
     assert all(t.untyped_storage().data_ptr() == caches[0].untyped_storage().data_ptr() for t in caches)
     for i, t in enumerate(caches):  # no overlap: a write to one cache shows in no other
         t.fill_(i + 1)

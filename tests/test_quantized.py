@@ -279,3 +279,64 @@ def test_cache_folder_has_no_float_weights(gguf_files):
     folder = resolve_model_path(gguf_files["legacy"], weights=False)
     assert os.path.isfile(os.path.join(folder, "config.json"))
     assert not os.path.exists(os.path.join(folder, "model.safetensors"))
+
+
+# ---- the whole-step decode loop (kernels/decoder_loop.cpp) ----------------------------------------
+
+
+def step_outputs(llm: LLM, prompts: list[list[int]], use_plan: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and every step's final hidden states, with the model's decoder plan on or off."""
+    model = llm.llm_engine.model
+    plan = model._decoder_plan
+    assert plan is not None
+    calls = []
+
+    class CountedPlan:
+        def decode(self, *args):
+            calls.append(1)
+            return plan.decode(*args)
+
+    captured: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
+    model._decoder_plan = CountedPlan() if use_plan else None
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        handle.remove()
+        model._decoder_plan = plan
+    assert (len(calls) >= NEW_TOKENS - 1) == use_plan  # every step after the last prefill
+    return [o.outputs[0].token_ids for o in outs], captured
+
+
+def assert_plan_is_the_fused_loop(llm: LLM) -> None:
+    """Decode-only steps through the C++ plan are bit-identical to the fused Python loop: same
+    kernels on the same tensors in the same order (mixed steps always take the loop). The model
+    runs without prefix caching: both runs must schedule the same steps."""
+    toks_plan, hidden_plan = step_outputs(llm, _workload(), use_plan=True)
+    toks_loop, hidden_loop = step_outputs(llm, _workload(), use_plan=False)
+    assert toks_plan == toks_loop
+    assert len(hidden_plan) == len(hidden_loop)
+    for a, b in zip(hidden_plan, hidden_loop, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_decoder_plan_equals_the_fused_loop_gguf(gguf_files, kernels, which):
+    # kquant mixes formats inside the fused qkv projection (a ConcatLinear of three GEMMs)
+    llm = LLM(
+        model=gguf_files[which], dtype="float32", num_kv_blocks=256, quantization="gguf", enable_prefix_caching=False
+    )
+    assert_plan_is_the_fused_loop(llm)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # qwen2: q/k/v biases
+def test_decoder_plan_equals_the_fused_loop_float32(tiny_model_dirs, kernels, family):
+    llm = LLM(model=tiny_model_dirs[family], dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    assert_plan_is_the_fused_loop(llm)
+
+
+def test_no_decoder_plan_where_a_layer_has_no_kernel(gguf_files, kernels):
+    """The reference path (no kernels) builds no plan: every step runs the module graph."""
+    llm = LLM(model=gguf_files["legacy"], dtype="float32", num_kv_blocks=32, attention_backend="torch")
+    assert llm.llm_engine.model._decoder_plan is None

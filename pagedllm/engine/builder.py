@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.host_memory import keep_freed_memory_in_heap
+from pagedllm.host_memory import keep_freed_memory_in_heap, release_freed_heap
 from pagedllm.kernels.interface import CpuKernels
 from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
@@ -69,6 +69,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     else:
         model = load_model(model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels)
     tokenizer = load_tokenizer(config.tokenizer or model_path)
+    if device.type == "cpu":
+        release_freed_heap()  # before the KV cache: what loading freed goes back to the OS
 
     num_layers = len(model.layers)
     per_block = kv_bytes_per_block(num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)

@@ -22,6 +22,7 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
 torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 bool quant_gemm_supports(int64_t qtype);
 bool quant_gemm_simd();
+void bind_decoder_plan(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -46,4 +47,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "float32 values of GGUF quantized rows");
   m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
   m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");
+  bind_decoder_plan(m);
 }

@@ -149,6 +149,26 @@ class CpuKernels:
         x is quantized per row to int16 blocks of 32 with a float scale (amax / 32767)."""
         return self._m.quant_gemm(x, w, qtype)
 
+    # ---- whole decode steps (decoder_loop.cpp) ----------------------------------------------
+    def decoder_plan(
+        self,
+        projections: list[list[tuple[torch.Tensor, int, torch.Tensor | None]]],
+        norms: list[torch.Tensor],
+        eps: list[float],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+    ):
+        """A DecoderPlan: ``decode(h, residual, positions, cos, sin, k_caches, v_caches, slots,
+        block_tables, seq_lens)`` runs a decode-only step through every layer in one call, with
+        the kernels the fused Python loop calls, in its order (so bit-identical to it).
+        ``projections``: qkv, o, gate_up, down of each layer, each a list of parts (weight, qtype,
+        bias) whose outputs are concatenated: GGUF blocks (qtype >= 0) or float32 weights (qtype
+        -1). ``norms`` / ``eps``: per layer the post-attention norm, then the next input norm
+        (the final norm after the last layer). Activations float32."""
+        return self._m.DecoderPlan(projections, norms, eps, num_heads, num_kv_heads, head_dim, scale)
+
     def quant_dequantize(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         """Float32 values [R, k] of R rows of GGUF blocks w [R, bytes] uint8."""
         return self._m.quant_dequantize(w, qtype, k)

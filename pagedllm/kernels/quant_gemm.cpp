@@ -10,7 +10,10 @@
 // sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's min,
 // the K-quants' -dmin * m; Q4_0's "- 8" is folded into its integers):
 //     w[i] = s[i / 16] * q[i] + off  =>  dot(w_blk, x_blk) = dx * (s . idot) + off * dx * sum(qx)
-// The offset terms are added after the integer dot products, in one fixed loop per output.
+// The offset terms of an output are one FMA chain over its blocks in block order (explicit
+// intrinsics: -ffast-math may not reorder them), then added to the output: beside the dot
+// products for a few activation rows, in a pass of their own (activation rows in vector lanes,
+// the same chain per lane) for more.
 //
 // The micro-kernel takes 2 weight rows x up to 4 activation rows per pass (8 accumulators), so a
 // weight block is unpacked once per 4 activation rows and an activation block loaded once per 2
@@ -188,18 +191,21 @@ void quantize_row_q16(const float* x, int64_t K, int16_t* q, float* d, float* ds
   }
 }
 
-// Quantized activations of a call: q [M, K] int16, d and ds [M, nb].
+// Quantized activations of a call: q [M, K] int16, d and ds [M, nb]; ds_t: ds transposed [nb, M]
+// (where the offsets take their own pass).
 struct Activations {
   const int16_t* q;
   const float* d;
   const float* ds;
-  int64_t K, nb;
+  const float* ds_t;
+  int64_t K, nb, M;
 };
 
 // Weight rows of one tile as the micro-kernel reads them.
 struct DecodedTile {  // decoded into int16 (any format)
   const int16_t* q;   // [rows, K]
   const float* sc;    // [rows, 2 nb]
+  const float* off;   // [rows, nb]
   int64_t K, nb;
 };
 template <int64_t QT>
@@ -212,8 +218,11 @@ struct FileTile {  // Q4_0 / Q4_1 / Q8_0 straight from the GGUF blocks (the form
 struct DecodedRowRef {
   const int16_t* q;
   const float* sc;
+  const float* off;
 };
-inline DecodedRowRef row_of(const DecodedTile& t, int64_t i) { return {t.q + i * t.K, t.sc + i * 2 * t.nb}; }
+inline DecodedRowRef row_of(const DecodedTile& t, int64_t i) {
+  return {t.q + i * t.K, t.sc + i * 2 * t.nb, t.off + i * t.nb};
+}
 template <int64_t QT>
 struct FileRowRef {
   const uint8_t* p;
@@ -222,18 +231,22 @@ template <int64_t QT>
 inline FileRowRef<QT> row_of(const FileTile<QT>& t, int64_t i) { return {t.rows + i * t.row_bytes}; }
 
 #if PAGEDLLM_QAVX2
-inline void load_block(const DecodedRowRef& r, int64_t b, __m256i* lo, __m256i* hi, float* slo, float* shi) {
+inline void load_block(const DecodedRowRef& r, int64_t b, __m256i* lo, __m256i* hi, float* slo, float* shi,
+                       float* off) {
   const int16_t* p = r.q + 32 * b;
   *lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   *hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
   *slo = r.sc[2 * b];
   *shi = r.sc[2 * b + 1];
+  *off = r.off[b];
 }
 
 // The same integers decode_row produces, unpacked in registers.
 template <int64_t QT>
-inline void load_block(const FileRowRef<QT>& r, int64_t b, __m256i* lo, __m256i* hi, float* slo, float* shi) {
+inline void load_block(const FileRowRef<QT>& r, int64_t b, __m256i* lo, __m256i* hi, float* slo, float* shi,
+                       float* off) {
   const uint8_t* row = r.p;
+  *off = 0.f;
   if (QT == Q8_0) {
     const uint8_t* blk = row + 34 * b;
     *slo = *shi = h2f(blk);
@@ -243,7 +256,15 @@ inline void load_block(const FileRowRef<QT>& r, int64_t b, __m256i* lo, __m256i*
   }
   constexpr bool q41 = QT == Q4_1;
   const uint8_t* blk = row + (q41 ? 20 : 18) * b;
-  *slo = *shi = h2f(blk);
+  if (q41) {  // d and m side by side: one load, one conversion
+    uint32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+    *slo = *shi = _mm_cvtss_f32(f);
+    *off = _mm_cvtss_f32(_mm_movehdup_ps(f));
+  } else {
+    *slo = *shi = h2f(blk);
+  }
   // byte j -> int16 lane j: its low nibble is element j, its high nibble element j + 16
   const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q41 ? 4 : 2))));
   __m256i l = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
@@ -265,13 +286,12 @@ void decode_rows_simd(const FileTile<QT>& t, int64_t nt, int64_t nb, int16_t* q,
     for (int64_t b = 0; b < nb; ++b) {
       __m256i lo, hi;
       float sl, sh;
-      load_block(row_of(t, i), b, &lo, &hi, &sl, &sh);
+      load_block(row_of(t, i), b, &lo, &hi, &sl, &sh, off + i * nb + b);
       int16_t* p = q + i * K + 32 * b;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), hi);
       sc[(i * nb + b) * 2] = sl;
       sc[(i * nb + b) * 2 + 1] = sh;
-      off[i * nb + b] = QT == Q4_1 ? h2f(t.rows + i * t.row_bytes + 20 * b + 2) : 0.f;
     }
   }
 }
@@ -283,29 +303,38 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Outputs (rows i0 .. i0 + NR - 1 of the tile) x (activation rows m0 .. m0 + MR - 1) without the
-// offset terms. Only the first `rows` of the NR are written (the others re-read row i0: same code,
-// same order for every output).
-template <int NR, int MR, bool kTwoScales, class Tile>
+// Outputs (rows i0 .. i0 + NR - 1 of the tile) x (activation rows m0 .. m0 + MR - 1). Only the
+// first `rows` of the NR are written (the others re-read row i0: same code, same order for every
+// output). kOffsets: the format has additive offsets (Q4_1, Q4_K, Q5_K).
+template <int NR, int MR, bool kTwoScales, bool kOffsets, class Tile>
 inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activations& a, int64_t m0, float* y,
                          int64_t ldy) {
   __m256 acc[NR][MR];
+  __m128 oacc[NR][MR];  // offset terms, lane 0
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      acc[r][m] = _mm256_setzero_ps();
+      oacc[r][m] = _mm_setzero_ps();
+    }
   decltype(row_of(tile, 0)) wr[NR];
   for (int r = 0; r < NR; ++r) wr[r] = row_of(tile, r < rows ? i0 + r : i0);
   const int16_t* xr[MR];
-  const float* dr[MR];
+  const float *dr[MR], *dsr[MR];
   for (int m = 0; m < MR; ++m) {
     xr[m] = a.q + (m0 + m) * a.K;
     dr[m] = a.d + (m0 + m) * a.nb;
+    dsr[m] = a.ds + (m0 + m) * a.nb;
   }
   const int64_t nb = a.nb;
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wl[NR], wh[NR];
-    float sl[NR], sh[NR];
-    for (int r = 0; r < NR; ++r) load_block(wr[r], b, &wl[r], &wh[r], &sl[r], &sh[r]);
+    float sl[NR], sh[NR], ol[NR];
+    for (int r = 0; r < NR; ++r) load_block(wr[r], b, &wl[r], &wh[r], &sl[r], &sh[r], &ol[r]);
     for (int m = 0; m < MR; ++m) {
+      if (kOffsets) {
+        const __m128 vds = _mm_set_ss(dsr[m][b]);
+        for (int r = 0; r < NR; ++r) oacc[r][m] = _mm_fmadd_ss(_mm_set_ss(ol[r]), vds, oacc[r][m]);
+      }
       const int16_t* xp = xr[m] + 32 * b;
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16));
@@ -324,26 +353,32 @@ inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activ
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r)
-      if (r < rows) y[(m0 + m) * ldy + i0 + r] = hsum(acc[r][m]);
+      if (r < rows) {
+        float v = hsum(acc[r][m]);
+        if (kOffsets) v += _mm_cvtss_f32(oacc[r][m]);  // as add_offsets adds its lanes
+        y[(m0 + m) * ldy + i0 + r] = v;
+      }
 }
 #else
-inline void load_block(const DecodedRowRef& r, int64_t b, const int16_t** q, float* slo, float* shi) {
+inline void load_block(const DecodedRowRef& r, int64_t b, const int16_t** q, float* slo, float* shi, float* off) {
   *q = r.q + 32 * b;
   *slo = r.sc[2 * b];
   *shi = r.sc[2 * b + 1];
+  *off = r.off[b];
 }
 
 // Portable: one output at a time, integer sums per half block, the same float order for every M.
-template <int NR, int MR, bool kTwoScales, class Tile>
+template <int NR, int MR, bool kTwoScales, bool kOffsets, class Tile>
 inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activations& a, int64_t m0, float* y,
                          int64_t ldy) {
   for (int r = 0; r < std::min<int64_t>(NR, rows); ++r) {
     for (int m = 0; m < MR; ++m) {
-      float acc = 0.f;
+      float acc = 0.f, oacc = 0.f;
       for (int64_t b = 0; b < a.nb; ++b) {
         const int16_t* w;
-        float sl, sh;
-        load_block(row_of(tile, i0 + r), b, &w, &sl, &sh);
+        float sl, sh, o;
+        load_block(row_of(tile, i0 + r), b, &w, &sl, &sh, &o);
+        if (kOffsets) oacc = std::fma(o, a.ds[(m0 + m) * a.nb + b], oacc);
         const int16_t* x = a.q + (m0 + m) * a.K + 32 * b;
         int32_t lo = 0, hi = 0;
         for (int l = 0; l < 16; ++l) lo += int32_t(w[l]) * x[l];
@@ -356,43 +391,79 @@ inline void micro_kernel(const Tile& tile, int64_t i0, int64_t rows, const Activ
           acc += static_cast<float>(lo + hi) * (sl * dx);
         }
       }
-      y[(m0 + m) * ldy + i0 + r] = acc;
+      y[(m0 + m) * ldy + i0 + r] = acc + oacc;
     }
   }
 }
 #endif
 
-// rows [0, nt) of a tile x every activation row -> y[:, 0:nt] (ldy = N), offsets excluded. Four
-// activation rows x two weight rows per pass; a lone activation row (decode) takes four weight rows.
-template <bool kTwoScales, class Tile>
+// rows [0, nt) of a tile x every activation row -> y[:, 0:nt] (ldy = N). Four activation rows x
+// two weight rows per pass; a lone activation row (decode) takes four weight rows.
+template <bool kTwoScales, bool kOffsets, class Tile>
 void tile_times_activations(const Tile& tile, int64_t nt, const Activations& a, int64_t M, float* y, int64_t ldy) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4)
-    for (int64_t i = 0; i < nt; i += 2) micro_kernel<2, 4, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+    for (int64_t i = 0; i < nt; i += 2) micro_kernel<2, 4, kTwoScales, kOffsets>(tile, i, nt - i, a, m, y, ldy);
   const int64_t rest = M - m;
   if (rest == 1) {
-    for (int64_t i = 0; i < nt; i += 4) micro_kernel<4, 1, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+    for (int64_t i = 0; i < nt; i += 4) micro_kernel<4, 1, kTwoScales, kOffsets>(tile, i, nt - i, a, m, y, ldy);
     return;
   }
   for (int64_t i = 0; i < nt; i += 2) {
-    if (rest == 3) micro_kernel<2, 3, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
-    if (rest == 2) micro_kernel<2, 2, kTwoScales>(tile, i, nt - i, a, m, y, ldy);
+    if (rest == 3) micro_kernel<2, 3, kTwoScales, kOffsets>(tile, i, nt - i, a, m, y, ldy);
+    if (rest == 2) micro_kernel<2, 2, kTwoScales, kOffsets>(tile, i, nt - i, a, m, y, ldy);
   }
 }
 
-// y[m, i] += sum_b off[i, b] * ds[m, b]: one out-of-line loop, so every output sums its offset
-// terms in the same order whatever the call's shape.
-__attribute__((noinline)) void add_offsets(const float* off, int64_t nt, const Activations& a, int64_t M, float* y,
-                                           int64_t ldy) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* ds = a.ds + m * a.nb;
-    for (int64_t i = 0; i < nt; ++i) {
-      const float* o = off + i * a.nb;
-      float s = 0.f;
-      for (int64_t b = 0; b < a.nb; ++b) s += o[b] * ds[b];
-      y[m * ldy + i] += s;
+#if PAGEDLLM_QAVX2
+// y[m, i] += sum_b off[i, b] * ds[m, b] for a decoded tile, eight activation rows per vector: each
+// lane runs the FMA chain micro_kernel runs for one output, so the sums are the same.
+void add_offsets(const float* off, int64_t nt, const Activations& a, float* y, int64_t ldy) {
+  constexpr int R = 4;  // weight rows at once: independent FMA chains (one alone is latency-bound)
+  for (int64_t i0 = 0; i0 < nt; i0 += R) {
+    const int64_t rows = std::min<int64_t>(R, nt - i0);
+    const float* o[R];
+    for (int r = 0; r < R; ++r) o[r] = off + (i0 + (r < rows ? r : 0)) * a.nb;
+    int64_t m = 0;
+    for (; m + 8 <= a.M; m += 8) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const __m256 ds = _mm256_loadu_ps(a.ds_t + b * a.M + m);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(o[r][b]), ds, acc[r]);
+      }
+      for (int r = 0; r < rows; ++r) {
+        alignas(32) float s[8];
+        _mm256_store_ps(s, acc[r]);
+        for (int l = 0; l < 8; ++l) y[(m + l) * ldy + i0 + r] += s[l];
+      }
+    }
+    for (; m < a.M; ++m) {
+      for (int r = 0; r < rows; ++r) {
+        __m128 acc = _mm_setzero_ps();
+        for (int64_t b = 0; b < a.nb; ++b) acc = _mm_fmadd_ss(_mm_set_ss(o[r][b]), _mm_set_ss(a.ds_t[b * a.M + m]), acc);
+        y[m * ldy + i0 + r] += _mm_cvtss_f32(acc);
+      }
     }
   }
+}
+#endif
+
+template <class Tile>
+void tile_times_activations(const Tile& tile, int64_t nt, const Activations& a, int64_t M, float* y, int64_t ldy,
+                            bool two_scales, bool offsets) {
+  if (two_scales) {  // Q6_K: no offsets
+    tile_times_activations<true, false>(tile, nt, a, M, y, ldy);
+  } else if (offsets) {
+    tile_times_activations<false, true>(tile, nt, a, M, y, ldy);
+  } else {
+    tile_times_activations<false, false>(tile, nt, a, M, y, ldy);
+  }
+}
+
+template <class T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
 }
 
 constexpr int64_t kWeightTile = 16;  // weight rows per tile: decoded, ~K * 32 bytes stay in L1
@@ -422,25 +493,42 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
-  // Activations: quantized once, shared by every thread.
-  std::vector<int16_t> qx(static_cast<size_t>(M * K));
-  std::vector<float> dx(static_cast<size_t>(M * nb)), ds(static_cast<size_t>(M * nb));
+  // Activations: quantized once, shared by every thread. Scratch is per thread and kept between
+  // calls: at batch size 1 a call is ~10-100 us and fresh buffers were a visible part of it.
+  static thread_local std::vector<int16_t> qx;
+  static thread_local std::vector<float> dx, ds;
+  grow(qx, M * K);
+  grow(dx, M * nb);
+  grow(ds, M * nb);
   const float* xp = x.data_ptr<float>();
+  int16_t* qxp = qx.data();
+  float *dxp = dx.data(), *dsp = ds.data();
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qx.data() + m * K, dx.data() + m * nb, ds.data() + m * nb);
+    for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qxp + m * K, dxp + m * nb, dsp + m * nb);
   });
-  const Activations act{qx.data(), dx.data(), ds.data(), K, nb};
+  const bool direct = PAGEDLLM_QAVX2 && direct_format(qtype) && M < kDecodeFromRows;
+  const bool offsets = has_offsets(qtype), two = two_scales(qtype);
+  static thread_local std::vector<float> ds_t;
+  if (PAGEDLLM_QAVX2 && offsets && !direct) {
+    grow(ds_t, M * nb);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) ds_t[b * M + m] = dsp[m * nb + b];
+  }
+  const Activations act{qxp, dxp, dsp, ds_t.data(), K, nb, M};
 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* yp = y.data_ptr<float>();
-  const bool direct = PAGEDLLM_QAVX2 && direct_format(qtype) && M < kDecodeFromRows;
-  const bool offsets = has_offsets(qtype), two = two_scales(qtype);
   // Output columns split across threads, a tile of weight rows at a time.
   const int64_t tiles = (N + kWeightTile - 1) / kWeightTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int16_t> q(static_cast<size_t>(kWeightTile * K));
-    std::vector<float> sc(static_cast<size_t>(kWeightTile * nb * 2)), off(static_cast<size_t>(kWeightTile * nb));
+    static thread_local std::vector<int16_t> q;  // a decoded tile
+    static thread_local std::vector<float> sc, off;
+    if (!direct) {
+      grow(q, kWeightTile * K);
+      grow(sc, kWeightTile * nb * 2);
+      grow(off, kWeightTile * nb);
+    }
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kWeightTile, nt = std::min(kWeightTile, N - n0);
       const uint8_t* src = wp + n0 * row_bytes;
@@ -449,16 +537,12 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
       if (direct_format(qtype)) {
         auto run = [&](auto tile) {
           if (direct) {
-            tile_times_activations<false>(tile, nt, act, M, out, N);
-            if (offsets) {  // Q4_1's mins
-              for (int64_t i = 0; i < nt; ++i)
-                for (int64_t b = 0; b < nb; ++b) off[i * nb + b] = h2f(src + i * row_bytes + 20 * b + 2);
-              add_offsets(off.data(), nt, act, M, out, N);
-            }
+            tile_times_activations(tile, nt, act, M, out, N, false, offsets);
           } else {
             decode_rows_simd(tile, nt, nb, q.data(), sc.data(), off.data());
-            tile_times_activations<false>(DecodedTile{q.data(), sc.data(), K, nb}, nt, act, M, out, N);
-            if (offsets) add_offsets(off.data(), nt, act, M, out, N);
+            tile_times_activations(DecodedTile{q.data(), sc.data(), off.data(), K, nb}, nt, act, M, out, N, false,
+                                   false);
+            if (offsets) add_offsets(off.data(), nt, act, out, N);
           }
         };
         if (qtype == Q4_0) run(FileTile<Q4_0>{src, row_bytes});
@@ -469,13 +553,12 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
 #endif
       for (int64_t i = 0; i < nt; ++i)
         decode_row(qtype, src + i * row_bytes, K, q.data() + i * K, sc.data() + i * 2 * nb, off.data() + i * nb);
-      const DecodedTile tile{q.data(), sc.data(), K, nb};
-      if (two) {
-        tile_times_activations<true>(tile, nt, act, M, out, N);
-      } else {
-        tile_times_activations<false>(tile, nt, act, M, out, N);
-      }
-      if (offsets) add_offsets(off.data(), nt, act, M, out, N);
+#if PAGEDLLM_QAVX2
+      tile_times_activations(DecodedTile{q.data(), sc.data(), off.data(), K, nb}, nt, act, M, out, N, two, false);
+      if (offsets) add_offsets(off.data(), nt, act, out, N);
+#else
+      tile_times_activations(DecodedTile{q.data(), sc.data(), off.data(), K, nb}, nt, act, M, out, N, two, offsets);
+#endif
     }
   });
   return y;

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_attention import attend, paged_attention
+from pagedllm.attention.paged_attention import attend, paged_attention, timing_attention
 from pagedllm.kernels.interface import CpuKernels
 
 logger = logging.getLogger("pagedllm")
@@ -160,6 +160,23 @@ def _gate_up_silu_mul(gate_up_proj: nn.Module, kernels: CpuKernels) -> Callable[
     return lambda h: kernels.silu_and_mul(gate_up_proj(h))
 
 
+def _linear_parts(module: nn.Module) -> list[tuple[torch.Tensor, int, torch.Tensor | None]] | None:
+    """A projection as DecoderPlan takes it (parts whose outputs are concatenated), or None when
+    some part is a layer the plan cannot run (packed bf16, a GGUF format without a kernel)."""
+    from pagedllm.models.quantized_linear import ConcatLinear, QuantizedLinear
+
+    if isinstance(module, ConcatLinear):
+        parts = [_linear_parts(p) for p in module.parts]
+        return None if any(p is None for p in parts) else [x for p in parts for x in p]
+    if isinstance(module, QuantizedLinear):
+        if module.kernels is None or (module.bias is not None and module.bias.dtype != torch.float32):
+            return None
+        return [(module.qweight, module.qtype, module.bias)]
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+        return [(module.weight, -1, module.bias)]
+    return None
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder over a flat batch: ``forward(input_ids[T], positions[T], kv_caches, meta)``."""
 
@@ -179,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
         self.packed_head = None
         self.kernels: CpuKernels | None = None  # compiled CPU kernels of the fused path (enable_cpu_kernels)
+        self._decoder_plan = None  # float32 decode-only steps in one kernel call (enable_cpu_kernels)
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
@@ -227,7 +245,28 @@ class LlamaForCausalLM(nn.Module):
             )
             for layer, post, nxt in zip(self.layers, norms, next_norms, strict=True)
         ]
+        self._decoder_plan = self._build_decoder_plan(kernels, norms, next_norms) if dtype == torch.float32 else None
         return True
+
+    def _build_decoder_plan(self, kernels: CpuKernels, norms: list[RMSNorm], next_norms: list[RMSNorm]):
+        """The whole-step decode loop (decoder_loop.cpp) for this model, or None where some layer
+        is one it cannot run: then every step takes the fused Python loop."""
+        projections = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                parts = _linear_parts(module)
+                if parts is None:
+                    return None
+                projections.append(parts)
+        weights, eps = [], []
+        for post, nxt in zip(norms, next_norms, strict=True):
+            weights += [post.weight.detach(), nxt.weight.detach()]
+            eps += [post.eps, nxt.eps]
+        attn = self.layers[0].self_attn
+        return kernels.decoder_plan(
+            projections, weights, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+        )
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(input_ids)
@@ -251,6 +290,21 @@ class LlamaForCausalLM(nn.Module):
         t = x.shape[0]
         residual = x  # the embedding lookup made a fresh tensor: safe to update in place
         h = self.layers[0].input_layernorm(x)
+        plan = self._decoder_plan
+        if plan is not None and not meta.prefills and meta.decode_kernel is not None and not timing_attention():
+            # Every row a decode: the same kernels as the loop below, from one C++ call.
+            return plan.decode(
+                h,
+                residual,
+                positions,
+                cos,
+                sin,
+                [kv[0] for kv in kv_caches],
+                [kv[1] for kv in kv_caches],
+                slots,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+            )
         for lyr, (k_cache, v_cache) in zip(self._fused_layers, kv_caches, strict=True):
             qkv = lyr.qkv(h)
             kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.host_memory import HUGE_PAGE, empty_on_huge_pages
+from pagedllm.host_memory import empty_on_huge_pages
 
 GIB = 1 << 30
 
@@ -46,11 +46,13 @@ def allocate_kv_cache(
 def _cpu_caches_on_huge_pages(
     num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """All layers' K and V caches as views of one fresh buffer, each on its own huge pages.
+    """All layers' K and V caches as views of one fresh buffer on huge pages, packed end to end.
 
     As 60 separate ~66 MB tensors, some were carved from memory the allocator had already touched
-    with 4 KiB pages (freed load-time buffers), which madvise does not convert (seen in smaps)."""
-    caches, _ = empty_on_huge_pages([(shape, dtype)] * (2 * num_layers), align=HUGE_PAGE)
+    with 4 KiB pages (freed load-time buffers), which madvise does not convert (seen in smaps).
+    Starting each view on its own huge page instead wasted up to 2 MiB per view: 104 MiB of a
+    256 MiB cache of 60 views of 4.5 MB."""
+    caches, _ = empty_on_huge_pages([(shape, dtype)] * (2 * num_layers), align=64)
     for t in caches:
         t.zero_()  # the first touch, after the advice
     return [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]
