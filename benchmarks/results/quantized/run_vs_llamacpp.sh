@@ -6,20 +6,21 @@
 #   2. offline throughput, 64 requests of 150 + 128 tokens (pagedllm bench throughput --workload
 #      fixed vs llama-batched-bench -npp 150 -ntg 128 -npl 64);
 #   3. the 200-request ShareGPT-like workload: native Q4_1 vs the bf16 path (--quantization none
-#      --dtype bfloat16).
+#      --dtype bfloat16);
+#   4. peak RSS of `pagedllm serve` on the default model with a 0.25 GiB KV cache (serve_rss.py).
 # Every timed run holds the shared benchmark lock (one benchmark at a time on the 2 cores).
 # Raw outputs go to raw/ (not committed: they hold local file paths); then summarize.py writes
 # results.json + results.md + results.png.
 #   LLAMACPP_BIN (required): folder with llama-bench, llama-batched-bench, llama-quantize
 #     (benchmarks/anchors/build_llamacpp.sh builds them)
 #   SCRATCH: where the requantized files go (default /tmp/pagedllm-quantized)
-#   PARTS: which parts to run (default "bs1 batched sharegpt")
+#   PARTS: which parts to run (default "bs1 batched rss"; add "sharegpt" for part 3)
 set -euo pipefail
 : "${LLAMACPP_BIN:?set LLAMACPP_BIN to the folder holding llama-bench (see benchmarks/anchors/build_llamacpp.sh)}"
 cd "$(dirname "$0")/../../.."
 OUT=benchmarks/results/quantized
 SCRATCH=${SCRATCH:-/tmp/pagedllm-quantized}
-PARTS=${PARTS:-bs1 batched}  # add "sharegpt" for part 3
+PARTS=${PARTS:-bs1 batched rss}
 LOCK=/tmp/pagedllm-bench.lock
 export PYTHONPATH=$PWD
 mkdir -p "$SCRATCH" "$OUT/raw"
@@ -59,6 +60,10 @@ if [[ " $PARTS " == *" sharegpt "* ]]; then
   ours throughput --model "$SRC" --workload sharegpt --label "pagedllm Q4_1 sharegpt-200" --out-dir "$OUT/raw/sharegpt"
   ours throughput --model "$SRC" --workload sharegpt --quantization none --dtype bfloat16 \
     --label "pagedllm bf16 sharegpt-200" --out-dir "$OUT/raw/sharegpt"
+fi
+
+if [[ " $PARTS " == *" rss "* ]]; then
+  flock "$LOCK" python3 "$OUT/serve_rss.py" >/dev/null
 fi
 
 python3 "$OUT/summarize.py"

@@ -83,6 +83,14 @@ def sharegpt() -> list[dict]:
     ]
 
 
+def serve_rss() -> dict | None:
+    path = os.path.join(RAW, "serve_rss.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -103,7 +111,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    result = {"bs1": bs1(), "batched": batched(), "sharegpt": sharegpt()}
+    result = {"bs1": bs1(), "batched": batched(), "sharegpt": sharegpt(), "serve_rss": serve_rss()}
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
@@ -158,6 +166,16 @@ def main() -> None:
                 f"| {r['label']} | {r['dtype']} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} "
                 f"| {r['peak_rss_mib']:.0f} |"
             )
+    m = result["serve_rss"]
+    if m:
+        lines += [
+            "",
+            "## Peak RSS of the server (serve_rss.py)",
+            "",
+            f"`{m['command']}`, {m['requests']} concurrent requests of 150 + 128 tokens ({m['ok']} OK): "
+            f"peak RSS **{m['peak_rss_mib']:.0f} MiB** (idle {m['idle_rss_mib']:.0f}) against the bar of file "
+            f"{m['file_mib']:.0f} + KV {m['kv_cache_mib']:.0f} + 400 = {m['bar_mib']:.0f} MiB.",
+        ]
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if result["bs1"]:
