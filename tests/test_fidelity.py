@@ -66,3 +66,20 @@ def test_text_prompt_and_detokenization_match_transformers(tiny_llama):
     assert out.prompt == prompt
     assert out.outputs[0].token_ids == ref.tolist()
     assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral"])
+def test_rope_tables_equal_transformers(tiny_model_dirs, family):
+    """RoPE tables are made without transformers' LlamaRotaryEmbedding (its module is ~70 MB of
+    imports); they must still be its tables bit for bit, default and scaled types alike."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from pagedllm.models.llama import RotaryEmbedding
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dirs[family])
+    ours = RotaryEmbedding(cfg, 300)
+    hf = LlamaRotaryEmbedding(cfg)
+    x = torch.zeros(1, 300, cfg.hidden_size)
+    cos, sin = hf(x, torch.arange(300).unsqueeze(0))
+    assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])

@@ -42,17 +42,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config, max_len: int) -> None:
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
         rope_type = _rope_type(hf_config)
         if rope_type in ("dynamic", "longrope"):
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
-        hf_rope = LlamaRotaryEmbedding(hf_config)
+        inv_freq, attention_scaling = _rope_inv_freq(hf_config, rope_type)
         pos = torch.arange(max_len, dtype=torch.float)
-        freqs = pos[:, None] * hf_rope.inv_freq.float()[None, :]
+        freqs = pos[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * hf_rope.attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * hf_rope.attention_scaling, persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
         self._bf16: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bf16_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +80,20 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_inv_freq(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies and attention scaling as transformers' LlamaRotaryEmbedding makes
+    them: its formula for the default type, its rope-init functions for the others. Not the class
+    itself: importing modeling_llama costs ~70 MB of resident memory for one small table."""
+    if rope_type == "default":
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)  # (config, device)
 
 
 def _rope_type(hf_config) -> str:

@@ -42,8 +42,8 @@ def main() -> None:
 
     gguf = default_model_gguf_path()
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port", str(port)]
-    cmd += ["--kv-cache-memory-gib", str(KV_GIB)]
+    args = ["serve", MODEL, "--kv-cache-memory-gib", str(KV_GIB)]
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", *args, "--port", str(port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -72,7 +72,7 @@ def main() -> None:
     file_mib = os.path.getsize(gguf) / 2**20
     kv_mib = KV_GIB * 1024
     result = {
-        "command": " ".join(["pagedllm"] + cmd[3:]),
+        "command": " ".join(["pagedllm", *args]),
         "requests": len(codes),
         "ok": sum(c == 200 for c in codes),
         "file_mib": round(file_mib, 1),
