@@ -567,7 +567,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
 // are merged in order, so a sequence's output is the same bits in any batch. Per chunk: q.k of
 // 8 keys at a time (8 accumulators, one transpose-and-add tree for their 8 sums), softmax in
 // float (two passes over the chunk's scores, kept in thread-local scratch), then p.v with the
-// accumulators of up to 3 query heads x 32 dims in registers, each V row loaded once for them.
+// accumulators of up to 3 query heads x 32 dims in registers.
 
 // Chunks of about kChunkKeys keys (a multiple of 16, so groups of 8 keys stay aligned to blocks
 // of 8 or 16 rows). Smaller chunks balance better but cost a (max, sum, acc) merge each.
@@ -631,15 +631,25 @@ inline __m256 qk8(const float* k, const float* q, int m) {
   return sum8(a);
 }
 
+// Rows [from, to) of a run of one kv head (row stride D) asked for ahead of their use: blocks are
+// scattered (paging), so the hardware prefetcher stops at each block's end.
+template <int D>
+inline void prefetch_rows(const float* p, int64_t from, int64_t to) {
+  for (int64_t off = from * D; off < to * D; off += 16) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
+
 // p.v of n rows of V (row stride D, dims c0 .. c0 + 8W of them from v on) for J query heads whose
 // probabilities start at p (row stride ps), into acc (row stride D, same dims). The J x W
-// accumulators stay in registers for the run; each V vector is loaded once for the J heads.
+// accumulators stay in registers for the run.
+// Row i of `ahead` (pf rows of it; may be null) is asked for while row i is read.
 template <int D, int W, int J>
-inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float* acc) {
+inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float* acc, const float* ahead,
+                   int64_t pf) {
   __m256 a[J][W];
   for (int j = 0; j < J; ++j)
     for (int w = 0; w < W; ++w) a[j][w] = _mm256_loadu_ps(acc + j * D + 8 * w);
   for (int64_t i = 0; i < n; ++i) {
+    if (ahead != nullptr && i < pf) prefetch_rows<D>(ahead, i, i + 1);
     __m256 pj[J];
     for (int j = 0; j < J; ++j) pj[j] = _mm256_broadcast_ss(p + j * ps + i);
     for (int w = 0; w < W; ++w) {
@@ -651,23 +661,38 @@ inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float*
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + j * D + 8 * w, a[j][w]);
 }
 
+// Rows of one kv head contiguous in one block.
+struct F32Run {
+  const float* p;
+  int64_t rows;
+};
+
 // One chunk [t0, t1) of the keys of kv head h for its G query heads (rows q0 + j * D, unscaled).
 // Leaves the unnormalized p.v in acc [G][D], each head's scaled max score in mx and its sum of
-// e^(s - max) in sum. S: scratch [G][ss], ss >= t1 - t0 + 8.
+// e^(s - max) in sum. S: scratch [G][ss], ss >= t1 - t0 + 8. next: the first K run of the thread's
+// next item (null: none), asked for during this item's last V runs.
 template <int D>
 void attend_f32_chunk(const Geometry& g, const float* q0, const float* kp, const float* vp, const int64_t* table,
                       int64_t h, int64_t t0, int64_t t1, float scale, float* S, int64_t ss, float* acc, float* mx,
-                      float* sum) {
+                      float* sum, F32Run next) {
   const int64_t G = g.group, bs = g.block_size, n = t1 - t0;
-  // The chunk's keys as runs of rows contiguous in one block: f(block rows, first key, run length).
-  auto for_runs = [&](const float* base, auto&& f) {
-    for (int64_t t = t0; t < t1;) {
-      const int64_t r = t % bs, m = std::min(bs - r, t1 - t);
-      f(base + g.head_block(table[t / bs], h) + r * D, r, t - t0, m);
-      t += m;
-    }
+  // The chunk's keys as nr runs; run k starts at key tk (t - t0 into the scores).
+  const int64_t b0 = t0 / bs, nr = (t1 - 1) / bs - b0 + 1;
+  auto run_key = [&](int64_t k) { return k == 0 ? t0 : (b0 + k) * bs; };
+  auto run_of = [&](const float* base, int64_t k) {
+    const int64_t t = run_key(k);
+    return F32Run{base + g.head_block(table[b0 + k], h) + t % bs * D, std::min(bs - t % bs, t1 - t)};
   };
-  for_runs(kp, [&](const float* kb, int64_t r, int64_t at, int64_t m) {
+  // The runs in the order they are read (K runs, V runs, the next item's first K run): what to
+  // ask for two runs ahead of the one being read.
+  auto stream = [&](int64_t pos) {
+    if (pos < nr) return run_of(kp, pos);
+    if (pos < 2 * nr) return run_of(vp, pos - nr);
+    return pos == 2 * nr ? next : F32Run{nullptr, 0};
+  };
+  for (int64_t k = 0; k < nr; ++k) {
+    const F32Run run = run_of(kp, k), ahead = stream(k + 2), second = k == 0 ? stream(1) : F32Run{nullptr, 0};
+    const int64_t r = run_key(k) % bs, at = run_key(k) - t0, m = run.rows;
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = q0 + j * D;
       float* sj = S + j * ss + at;
@@ -675,12 +700,19 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const float* kp, const
       // the padding past the chunk. Rows past the run but inside the block are read (stale rows
       // of the last block, or the next chunk's); a group reaching past the block is not.
       for (int64_t i0 = 0; i0 < m; i0 += 8) {
-        const __m256 sc = r + i0 + 8 <= bs ? qk8<D, true>(kb + i0 * D, qj, 8)
-                                           : qk8<D, false>(kb + i0 * D, qj, static_cast<int>(m - i0));
+        if (j == 0) {  // the first head's pass asks for the rows ahead, spread over its groups
+          if (ahead.p != nullptr) prefetch_rows<D>(ahead.p, i0, std::min(i0 + 8, ahead.rows));
+          if (second.p != nullptr) prefetch_rows<D>(second.p, i0, std::min(i0 + 8, second.rows));
+        }
+        const __m256 sc = r + i0 + 8 <= bs ? qk8<D, true>(run.p + i0 * D, qj, 8)
+                                           : qk8<D, false>(run.p + i0 * D, qj, static_cast<int>(m - i0));
         _mm256_storeu_ps(sj + i0, sc);
       }
     }
-  });
+    const int64_t asked = (m + 7) / 8 * 8;  // rows of the runs ahead asked for so far
+    if (ahead.p != nullptr && ahead.rows > asked) prefetch_rows<D>(ahead.p, asked, ahead.rows);
+    if (second.p != nullptr && second.rows > asked) prefetch_rows<D>(second.p, asked, second.rows);
+  }
   const __m256 vscale = _mm256_set1_ps(scale);
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < G; ++j) {
@@ -709,29 +741,36 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const float* kp, const
     sum[j] = _mm_cvtss_f32(s4);
   }
   std::fill(acc, acc + G * D, 0.f);
-  for_runs(vp, [&](const float* vb, int64_t, int64_t at, int64_t m) {
-    const float* pr = S + at;
-    if constexpr (D >= 64) {
-      if (G == 1) {  // one head: 8 accumulators (64 dims) for enough independent FMA chains
-        for (int c = 0; c < D; c += 64) pv_run<D, 8, 1>(vb + c, m, pr, ss, acc + c);
-        return;
-      }
-    }
+  for (int64_t k = 0; k < nr; ++k) {
+    const F32Run run = stream(nr + k), ahead = stream(nr + k + 2);
+    const float* pr = S + run_key(k) - t0;
+    const int64_t m = run.rows;
+    // the first pass over the run asks for the run two ahead, a row per row read
+    const float* pf = ahead.p;
     constexpr int W = D >= 32 ? 4 : D / 8;
-    for (int c = 0; c < D; c += 8 * W) {
-      // heads 3 at a time (12 accumulators, 3 broadcasts, 1 V vector: the 16 registers), a
-      // remainder of 1 taken as 2 + 2 from the last 4 so no pass has only W chains
-      for (int64_t j0 = 0; j0 < G;) {
-        const int64_t left = G - j0, J = left == 4 ? 2 : std::min<int64_t>(3, left);
-        const float* pj = pr + j0 * ss;
-        float* aj = acc + j0 * D + c;
-        if (J == 3) pv_run<D, W, 3>(vb + c, m, pj, ss, aj);
-        else if (J == 2) pv_run<D, W, 2>(vb + c, m, pj, ss, aj);
-        else pv_run<D, W, 1>(vb + c, m, pj, ss, aj);
-        j0 += J;
+    if (D >= 64 && G == 1) {  // one head: 8 accumulators (64 dims) for enough independent FMA chains
+      for (int c = 0; c < D; c += 64) {
+        pv_run<D, (D >= 64 ? 8 : W), 1>(run.p + c, m, pr, ss, acc + c, pf, ahead.rows);
+        pf = nullptr;
+      }
+    } else {
+      for (int c = 0; c < D; c += 8 * W) {
+        // heads 3 at a time (12 accumulators, 3 broadcasts, 1 V vector: the 16 registers), a
+        // remainder of 1 taken as 2 + 2 from the last 4 so no pass has only W chains
+        for (int64_t j0 = 0; j0 < G;) {
+          const int64_t left = G - j0, J = left == 4 ? 2 : std::min<int64_t>(3, left);
+          const float* pj = pr + j0 * ss;
+          float* aj = acc + j0 * D + c;
+          if (J == 3) pv_run<D, W, 3>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          else if (J == 2) pv_run<D, W, 2>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          else pv_run<D, W, 1>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          pf = nullptr;
+          j0 += J;
+        }
       }
     }
-  });
+    if (ahead.p != nullptr && ahead.rows > m) prefetch_rows<D>(ahead.p, m, ahead.rows);
+  }
 }
 
 // Per chunk record of a split (sequence, kv head): mx [G], sum [G], acc [G][D].
@@ -799,6 +838,14 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> bounds = balanced_split(items, nthreads, cost);
   auto out_rows = [&](int64_t s, int64_t h) { return op + (s * g.num_heads + h * G) * D; };
+  auto first_run = [&](int64_t item) {  // an item's first K run
+    int64_t s, h, c;
+    locate(item, s, h, c);
+    const ChunkPlan p = chunk_plan(lens[s]);
+    const int64_t t0 = c * p.len, t1 = std::min(lens[s], t0 + p.len), bs = g.block_size;
+    if (t1 <= t0) return F32Run{nullptr, 0};
+    return F32Run{kp + g.head_block(bt[s * g.max_blocks + t0 / bs], h) + t0 % bs * D, std::min(bs - t0 % bs, t1 - t0)};
+  };
 
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
     static thread_local std::vector<float> scratch;
@@ -819,7 +866,7 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
         // a split item writes its record; a whole one a record in scratch, normalized at once
         float* r = p.n > 1 ? rec + item * R : S + G * ss;
         attend_f32_chunk<D>(g, qp + s * g.q_stride + h * G * D, kp, vp, bt + s * g.max_blocks, h, t0, t1, scale, S,
-                            ss, r + 2 * G, r, r + G);
+                            ss, r + 2 * G, r, r + G, item + 1 < bounds[tid + 1] ? first_run(item + 1) : F32Run{nullptr, 0});
         if (p.n == 1) {
           merge_chunks(r, 1, G, D, out_rows(s, h));
         } else if (c == p.n - 1 && item - c >= bounds[tid]) {
