@@ -177,3 +177,60 @@ def test_prefill_kernel_equals_reference(block_size, h, hkv, d):
 def test_prefill_kernel_availability():
     assert not kernels.prefill_attention_available(32, 16)  # head_dim 64 or 128 only
     assert not kernels.prefill_attention_available(64, 8)  # blocks of whole 16-row tiles only
+
+
+# The float32 kernel's own cases (the AVX2 path where the CPU has one): GQA groups of 1, 3, 8 and
+# > 64 query heads, block sizes that are not a multiple of 8, every head_dim it specializes.
+F32_CASES = [(16, 9, 3, 64), (16, 3, 3, 64), (16, 8, 1, 64), (12, 6, 2, 128), (8, 4, 1, 256), (1, 2, 1, 32)]
+F32_CASES += [(16, 132, 2, 64), (32, 4, 4, 128), (5, 4, 2, 16)]
+# length 1, block edges, and lengths split into several chunks of keys (merged afterwards)
+F32_LENS = [1, 2, 7, 8, 9, 16, 17, 127, 128, 129, 150, 280, 513, 1000]
+
+
+def poison_unwritten_rows(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The cache with NaN in every row no sequence has written (stale rows of a last block, free
+    blocks): the kernel may read them alongside real rows but must not let them into its output."""
+    bs = cache.shape[2]
+    written = torch.zeros(cache.shape[0], bs, dtype=torch.bool)
+    for table, n in zip(meta.decode_block_tables.tolist(), meta.decode_seq_lens.tolist(), strict=True):
+        for p in range(n):
+            written[table[p // bs], p % bs] = True
+    return cache.masked_fill(~written[:, None, :, None], float("nan"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,h,hkv,d", F32_CASES)
+def test_float32_decode_kernel_equals_reference(block_size, h, hkv, d):
+    q, k, v, kc, vc, meta, _ = build_batch(block_size, h, hkv, d, 2, F32_LENS, [])
+    scale = 1 / math.sqrt(d)
+    ref = paged_attention(q, k, v, kc, vc, meta, scale)  # also writes the step's K/V into the caches
+    kc, vc = poison_unwritten_rows(kc, meta), poison_unwritten_rows(vc, meta)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_float32_decode_kernel_does_not_depend_on_batch_or_threads():
+    """A sequence's keys may be split into chunks across threads: the same bits alone, in a batch,
+    and on any number of threads (the split depends on the sequence's length only)."""
+    lens = [280, 1, 150, 1000, 17, 513, 64]
+    q, k, v, kc, vc, meta, _ = build_batch(16, 9, 3, 64, 3, lens, [])
+    paged_attention(q, k, v, kc, vc, meta, 0.125)  # writes the step's K/V into the caches
+    tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
+    prev = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            kernels.paged_decode_attention(out, q, kc, vc, tables, seq_lens, 0.125)
+            outs.append(out)
+        torch.set_num_threads(prev)
+        for i in range(len(lens)):
+            alone, one = torch.empty_like(q[i : i + 1]), slice(i, i + 1)
+            kernels.paged_decode_attention(alone, q[one], kc, vc, tables[one], seq_lens[one], 0.125)
+            assert torch.equal(alone, outs[0][one]), f"sequence {i} (length {lens[i]})"
+    finally:
+        torch.set_num_threads(prev)
+    assert all(torch.equal(o, outs[0]) for o in outs)

@@ -23,6 +23,10 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
@@ -553,6 +557,355 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_AVX2_F32 1
+// float32 on AVX2 + FMA (the float path of CPUs without AVX512, e.g. AMD Zen 3).
+//
+// A work item is one chunk of keys of one (sequence, kv head): a long sequence's keys are split
+// so that a batch of one sequence (num_kv_heads items: 3 for 2 threads) still balances. The split
+// depends on the sequence's length alone (never on the batch or the thread count), and the chunks
+// are merged in order, so a sequence's output is the same bits in any batch. Per chunk: q.k of
+// 8 keys at a time (8 accumulators, one transpose-and-add tree for their 8 sums), softmax in
+// float (two passes over the chunk's scores, kept in thread-local scratch), then p.v with the
+// accumulators of up to 3 query heads x 32 dims in registers.
+
+// Chunks of about kChunkKeys keys (a multiple of 16, so groups of 8 keys stay aligned to blocks
+// of 8 or 16 rows). Smaller chunks balance better but cost a (max, sum, acc) merge each.
+constexpr int64_t kChunkKeys = 128;
+
+struct ChunkPlan {
+  int64_t n, len;  // number of chunks; keys per chunk (the last may be shorter)
+};
+inline ChunkPlan chunk_plan(int64_t len) {
+  int64_t n = std::max<int64_t>(1, (len + kChunkKeys - 1) / kChunkKeys);
+  const int64_t per = std::max<int64_t>(16, ((len + n - 1) / n + 15) / 16 * 16);
+  n = std::max<int64_t>(1, (len + per - 1) / per);  // rounding up per may leave the last chunk empty
+  return {n, per};
+}
+
+// e^x for x <= 0 to ~2 float ulps, as exp16 (common.h) with the 2^n built from exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // 2^n stays a normal float
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The 8 horizontal sums of a[0..7], in order (21 shuffles and adds instead of 8 reductions of ~6).
+inline __m256 sum8(const __m256 a[8]) {
+  __m256 x[4], z[2];
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of the pair (a, b)
+    x[k] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 2; ++k) {  // per 128-bit lane: that lane's sums of keys 4k .. 4k+3
+    const __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(x[2 * k]), _mm256_castps_pd(x[2 * k + 1]));
+    const __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(x[2 * k]), _mm256_castps_pd(x[2 * k + 1]));
+    z[k] = _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(z[0], z[1], 0x20), _mm256_permute2f128_ps(z[0], z[1], 0x31));
+}
+
+// Raw scores of query row q against the m <= 8 key rows k (row stride D); lanes >= m are 0. The
+// dims loop is outside the keys loop: 8 independent FMA chains (Zen 3: 2 FMAs of latency 4 in flight).
+template <int D, bool kFull>
+inline __m256 qk8(const float* k, const float* q, int m) {
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+  for (int c = 0; c < D / 8; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      if (kFull || i < m) a[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + i * D + 8 * c), a[i]);
+  }
+  return sum8(a);
+}
+
+// Rows [from, to) of a run of one kv head (row stride D) asked for ahead of their use: blocks are
+// scattered (paging), so the hardware prefetcher stops at each block's end.
+template <int D>
+inline void prefetch_rows(const float* p, int64_t from, int64_t to) {
+  for (int64_t off = from * D; off < to * D; off += 16) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
+
+// p.v of n rows of V (row stride D, dims c0 .. c0 + 8W of them from v on) for J query heads whose
+// probabilities start at p (row stride ps), into acc (row stride D, same dims). The J x W
+// accumulators stay in registers for the run.
+// Row i of `ahead` (pf rows of it; may be null) is asked for while row i is read.
+template <int D, int W, int J>
+inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float* acc, const float* ahead,
+                   int64_t pf) {
+  __m256 a[J][W];
+  for (int j = 0; j < J; ++j)
+    for (int w = 0; w < W; ++w) a[j][w] = _mm256_loadu_ps(acc + j * D + 8 * w);
+  for (int64_t i = 0; i < n; ++i) {
+    if (ahead != nullptr && i < pf) prefetch_rows<D>(ahead, i, i + 1);
+    __m256 pj[J];
+    for (int j = 0; j < J; ++j) pj[j] = _mm256_broadcast_ss(p + j * ps + i);
+    for (int w = 0; w < W; ++w) {
+      const __m256 x = _mm256_loadu_ps(v + i * D + 8 * w);
+      for (int j = 0; j < J; ++j) a[j][w] = _mm256_fmadd_ps(pj[j], x, a[j][w]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + j * D + 8 * w, a[j][w]);
+}
+
+// Rows of one kv head contiguous in one block.
+struct F32Run {
+  const float* p;
+  int64_t rows;
+};
+
+// One chunk [t0, t1) of the keys of kv head h for its G query heads (rows q0 + j * D, unscaled).
+// Leaves the unnormalized p.v in acc [G][D], each head's scaled max score in mx and its sum of
+// e^(s - max) in sum. S: scratch [G][ss], ss >= t1 - t0 + 8. next: the first K run of the thread's
+// next item (null: none), asked for during this item's last V runs.
+template <int D>
+void attend_f32_chunk(const Geometry& g, const float* q0, const float* kp, const float* vp, const int64_t* table,
+                      int64_t h, int64_t t0, int64_t t1, float scale, float* S, int64_t ss, float* acc, float* mx,
+                      float* sum, F32Run next) {
+  const int64_t G = g.group, bs = g.block_size, n = t1 - t0;
+  // The chunk's keys as nr runs; run k starts at key tk (t - t0 into the scores).
+  const int64_t b0 = t0 / bs, nr = (t1 - 1) / bs - b0 + 1;
+  auto run_key = [&](int64_t k) { return k == 0 ? t0 : (b0 + k) * bs; };
+  auto run_of = [&](const float* base, int64_t k) {
+    const int64_t t = run_key(k);
+    return F32Run{base + g.head_block(table[b0 + k], h) + t % bs * D, std::min(bs - t % bs, t1 - t)};
+  };
+  // The runs in the order they are read (K runs, V runs, the next item's first K run): what to
+  // ask for two runs ahead of the one being read.
+  auto stream = [&](int64_t pos) {
+    if (pos < nr) return run_of(kp, pos);
+    if (pos < 2 * nr) return run_of(vp, pos - nr);
+    return pos == 2 * nr ? next : F32Run{nullptr, 0};
+  };
+  for (int64_t k = 0; k < nr; ++k) {
+    const F32Run run = run_of(kp, k), ahead = stream(k + 2), second = k == 0 ? stream(1) : F32Run{nullptr, 0};
+    const int64_t r = run_key(k) % bs, at = run_key(k) - t0, m = run.rows;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = q0 + j * D;
+      float* sj = S + j * ss + at;
+      // 8 lanes stored per group: the lanes past the run are overwritten by the next run, or are
+      // the padding past the chunk. Rows past the run but inside the block are read (stale rows
+      // of the last block, or the next chunk's); a group reaching past the block is not.
+      for (int64_t i0 = 0; i0 < m; i0 += 8) {
+        if (j == 0) {  // the first head's pass asks for the rows ahead, spread over its groups
+          if (ahead.p != nullptr) prefetch_rows<D>(ahead.p, i0, std::min(i0 + 8, ahead.rows));
+          if (second.p != nullptr) prefetch_rows<D>(second.p, i0, std::min(i0 + 8, second.rows));
+        }
+        const __m256 sc = r + i0 + 8 <= bs ? qk8<D, true>(run.p + i0 * D, qj, 8)
+                                           : qk8<D, false>(run.p + i0 * D, qj, static_cast<int>(m - i0));
+        _mm256_storeu_ps(sj + i0, sc);
+      }
+    }
+    const int64_t asked = (m + 7) / 8 * 8;  // rows of the runs ahead asked for so far
+    if (ahead.p != nullptr && ahead.rows > asked) prefetch_rows<D>(ahead.p, asked, ahead.rows);
+    if (second.p != nullptr && second.rows > asked) prefetch_rows<D>(second.p, asked, second.rows);
+  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j = 0; j < G; ++j) {
+    float* sj = S + j * ss;
+    __m256 vm = _mm256_set1_ps(-3.0e38f);
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
+      vm = _mm256_max_ps(vm, _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), _mm256_loadu_ps(sj + t), live));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m = _mm_cvtss_f32(m4) * scale;
+    const __m256 vmx = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
+      const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_loadu_ps(sj + t), vscale, vmx)), live);
+      _mm256_storeu_ps(sj + t, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    mx[j] = m;
+    sum[j] = _mm_cvtss_f32(s4);
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t k = 0; k < nr; ++k) {
+    const F32Run run = stream(nr + k), ahead = stream(nr + k + 2);
+    const float* pr = S + run_key(k) - t0;
+    const int64_t m = run.rows;
+    // the first pass over the run asks for the run two ahead, a row per row read
+    const float* pf = ahead.p;
+    constexpr int W = D >= 32 ? 4 : D / 8;
+    if (D >= 64 && G == 1) {  // one head: 8 accumulators (64 dims) for enough independent FMA chains
+      for (int c = 0; c < D; c += 64) {
+        pv_run<D, (D >= 64 ? 8 : W), 1>(run.p + c, m, pr, ss, acc + c, pf, ahead.rows);
+        pf = nullptr;
+      }
+    } else {
+      for (int c = 0; c < D; c += 8 * W) {
+        // heads 3 at a time (12 accumulators, 3 broadcasts, 1 V vector: the 16 registers), a
+        // remainder of 1 taken as 2 + 2 from the last 4 so no pass has only W chains
+        for (int64_t j0 = 0; j0 < G;) {
+          const int64_t left = G - j0, J = left == 4 ? 2 : std::min<int64_t>(3, left);
+          const float* pj = pr + j0 * ss;
+          float* aj = acc + j0 * D + c;
+          if (J == 3) pv_run<D, W, 3>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          else if (J == 2) pv_run<D, W, 2>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          else pv_run<D, W, 1>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          pf = nullptr;
+          j0 += J;
+        }
+      }
+    }
+    if (ahead.p != nullptr && ahead.rows > m) prefetch_rows<D>(ahead.p, m, ahead.rows);
+  }
+}
+
+// Per chunk record of a split (sequence, kv head): mx [G], sum [G], acc [G][D].
+inline int64_t chunk_record(int64_t G, int64_t D) { return G * (D + 2); }
+
+// Output rows of G heads from the records of a (sequence, kv head)'s nch chunks, merged in order.
+inline void merge_chunks(const float* rec, int64_t nch, int64_t G, int64_t D, float* out) {
+  const int64_t R = chunk_record(G, D);
+  for (int64_t j = 0; j < G; ++j) {
+    float M = rec[j];
+    for (int64_t c = 1; c < nch; ++c) M = std::max(M, rec[c * R + j]);
+    float L = 0.f;
+    float* o = out + j * D;
+    for (int64_t c = 0; c < nch; ++c) {
+      const float* rc = rec + c * R;
+      const float w = std::exp(rc[j] - M);
+      L += w * rc[G + j];
+      const float* a = rc + 2 * G + j * D;
+      if (c == 0) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = w * a[d];
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+    }
+    const float inv = 1.f / L;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
+template <int D>
+void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const float* kp, const float* vp,
+                     float* op, const int64_t* bt, const int64_t* lens, float scale) {
+  const int64_t H = g.num_kv_heads, G = g.group, R = chunk_record(G, D);
+  // Items (sequence, kv head, chunk) in that order: a (sequence, kv head)'s chunks are adjacent,
+  // so they mostly land on one thread, which merges them itself.
+  static thread_local std::vector<int64_t> first_item;  // per sequence, then the total
+  static thread_local std::vector<float> records;
+  first_item.resize(num_seqs + 1);
+  bool any_split = false;
+  first_item[0] = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t nch = chunk_plan(lens[s]).n;
+    any_split |= nch > 1;
+    first_item[s + 1] = first_item[s] + H * nch;
+  }
+  const int64_t items = first_item[num_seqs];
+  if (any_split) records.resize(items * R);
+  const int64_t* fi = first_item.data();
+  float* rec = records.data();
+  auto locate = [&](int64_t item, int64_t& s, int64_t& h, int64_t& c) {
+    s = std::upper_bound(fi, fi + num_seqs + 1, item) - fi - 1;
+    const int64_t nch = (fi[s + 1] - fi[s]) / H;
+    h = (item - fi[s]) / nch;
+    c = (item - fi[s]) % nch;
+  };
+  auto cost = [&](int64_t item) {
+    int64_t s, h, c;
+    locate(item, s, h, c);
+    const ChunkPlan p = chunk_plan(lens[s]);
+    return std::min(p.len, lens[s] - c * p.len) + 8;
+  };
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> bounds = balanced_split(items, nthreads, cost);
+  auto out_rows = [&](int64_t s, int64_t h) { return op + (s * g.num_heads + h * G) * D; };
+  auto first_run = [&](int64_t item) {  // an item's first K run
+    int64_t s, h, c;
+    locate(item, s, h, c);
+    const ChunkPlan p = chunk_plan(lens[s]);
+    const int64_t t0 = c * p.len, t1 = std::min(lens[s], t0 + p.len), bs = g.block_size;
+    if (t1 <= t0) return F32Run{nullptr, 0};
+    return F32Run{kp + g.head_block(bt[s * g.max_blocks + t0 / bs], h) + t0 % bs * D, std::min(bs - t0 % bs, t1 - t0)};
+  };
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
+    static thread_local std::vector<float> scratch;
+    for (int64_t tid = tb; tid < te; ++tid) {
+      for (int64_t item = bounds[tid]; item < bounds[tid + 1]; ++item) {
+        int64_t s, h, c;
+        locate(item, s, h, c);
+        const int64_t len = lens[s];
+        const ChunkPlan p = chunk_plan(len);
+        const int64_t t0 = c * p.len, t1 = std::min(len, t0 + p.len), ss = p.len + 8;
+        if (len == 0) {  // nothing visible: zeros rather than 0 / 0
+          std::fill(out_rows(s, h), out_rows(s, h) + G * D, 0.f);
+          continue;
+        }
+        const size_t need = static_cast<size_t>(G * ss + R);
+        if (scratch.size() < need) scratch.resize(need);
+        float* S = scratch.data();
+        // a split item writes its record; a whole one a record in scratch, normalized at once
+        float* r = p.n > 1 ? rec + item * R : S + G * ss;
+        attend_f32_chunk<D>(g, qp + s * g.q_stride + h * G * D, kp, vp, bt + s * g.max_blocks, h, t0, t1, scale, S,
+                            ss, r + 2 * G, r, r + G, item + 1 < bounds[tid + 1] ? first_run(item + 1) : F32Run{nullptr, 0});
+        if (p.n == 1) {
+          merge_chunks(r, 1, G, D, out_rows(s, h));
+        } else if (c == p.n - 1 && item - c >= bounds[tid]) {
+          merge_chunks(rec + (item - c) * R, p.n, G, D, out_rows(s, h));  // all chunks were this thread's
+        }
+      }
+    }
+  });
+  if (!any_split) return;
+  // The (sequence, kv head)s whose chunks were on more than one thread: a thread boundary inside
+  // their chunks (several boundaries may fall inside one; it is merged once).
+  int64_t merged = -1;
+  for (int64_t k = 1; k < nthreads; ++k) {
+    const int64_t at = bounds[k];
+    if (at >= items) break;
+    int64_t s, h, c;
+    locate(at, s, h, c);
+    if (c == 0 || at - c == merged) continue;  // c == 0: the boundary is between two of them
+    merged = at - c;
+    merge_chunks(rec + merged * R, (fi[s + 1] - fi[s]) / H, G, D, out_rows(s, h));
+  }
+}
+
+// decode_f32_avx2 for this head_dim; false where there is none.
+inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp, const float* kp, const float* vp,
+                            float* op, const int64_t* bt, const int64_t* lens, float scale) {
+  switch (g.head_dim) {
+    case 16: decode_f32_avx2<16>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
+    case 32: decode_f32_avx2<32>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
+    case 64: decode_f32_avx2<64>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
+    case 128: decode_f32_avx2<128>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
+    case 256: decode_f32_avx2<256>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
+    default: return false;
+  }
+}
+#else
+#define PAGEDLLM_AVX2_F32 0
+#endif
+
 template <typename scalar_t>
 void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -574,6 +927,11 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+#if PAGEDLLM_AVX2_F32
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (decode_f32_fast(g, num_seqs, qp, kp, vp, op, bt, lens, fscale)) return;
+  }
+#endif
   bool fast = false, amx = false;
 #if PAGEDLLM_AVX512BF16
   fast = std::is_same<scalar_t, at::BFloat16>::value && g.group <= 64 &&
