@@ -34,9 +34,8 @@ def hf_reference(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[in
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral"])
-def test_greedy_matches_transformers(tiny_model_dirs, family):
-    model_dir = tiny_model_dirs[family]
+def assert_greedy_matches_transformers(model_dir: str) -> list:
+    """fp32 greedy tokens of make_prompts() equal HF's, their logprobs within 1e-4; the outputs."""
     prompts = make_prompts()
     ref = hf_reference(model_dir, prompts)
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
@@ -47,7 +46,13 @@ def test_greedy_matches_transformers(tiny_model_dirs, family):
         assert comp.token_ids == ref_toks
         ours = [lp[t] for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
         assert max(abs(a - b) for a, b in zip(ours, ref_lp, strict=True)) < 1e-4
-        assert comp.finish_reason == "length"
+    return outs
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral"])
+def test_greedy_matches_transformers(tiny_model_dirs, family):
+    outs = assert_greedy_matches_transformers(tiny_model_dirs[family])
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
     # the tiny models must not be degenerate, or matching would prove little
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
 

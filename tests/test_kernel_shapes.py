@@ -17,7 +17,7 @@ import logging
 import httpx
 import pytest
 import torch
-from test_fidelity import NEW_TOKENS, hf_reference, make_prompts
+from test_fidelity import assert_greedy_matches_transformers
 from test_server import ServerProcess
 from tiny_models import build_model
 
@@ -160,17 +160,7 @@ def test_unusual_head_dim_serves_the_reference_tokens(head_dim_models, head_dim,
 
 @pytest.mark.parametrize("head_dim", [GENERIC_HEAD_DIM, REFUSED_HEAD_DIM])
 def test_unusual_head_dim_matches_transformers_in_float32(head_dim_models, head_dim):
-    model_dir = head_dim_models[head_dim]
-    prompts = make_prompts()
-    ref = hf_reference(model_dir, prompts)
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for (ref_toks, ref_lp), out in zip(ref, outs, strict=True):
-        comp = out.outputs[0]
-        assert comp.token_ids == ref_toks
-        ours = [lp[t] for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
-        assert max(abs(a - b) for a, b in zip(ours, ref_lp, strict=True)) < 1e-4
+    assert_greedy_matches_transformers(head_dim_models[head_dim])
 
 
 class RefusingKernels(CpuKernels):

@@ -5,21 +5,13 @@
 // DecoderPlan holds the layers' weights once and runs the same kernels, in the same order and on
 // the same tensors, as LlamaForCausalLM._forward_fused does for a step without prefill chunks, so
 // the two give bit-identical results: a sequence's tokens do not depend on which path its step took.
-#include "common.h"
+#include "entry_points.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <tuple>
-
-torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
-                          int64_t num_kv_heads);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+#include <utility>
 
 namespace {
 
@@ -84,20 +76,19 @@ class DecoderPlan {
   // h: layer 0's input norm of the embeddings, residual: the embeddings (updated in place); every
   // row a decode (one token of its own sequence). Returns the final norm of the last layer's output.
   torch::Tensor decode(torch::Tensor h, torch::Tensor residual, torch::Tensor positions, torch::Tensor cos,
-                       torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
-                       const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping,
+                       torch::Tensor sin, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
+                       torch::Tensor slot_mapping,
                        torch::Tensor block_tables, torch::Tensor seq_lens) const {
-    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers_ && static_cast<int64_t>(v_caches.size()) == layers_,
-                "DecoderPlan.decode: one K and one V cache per layer");
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == layers_, "DecoderPlan.decode: one (K, V) cache per layer");
     const int64_t t = h.size(0), qs = num_heads_ * head_dim_;
     for (int64_t l = 0; l < layers_; ++l) {
       const Projection* p = &projections_[4 * l];
       torch::Tensor qkv = run(p[0], h);
-      rope_and_cache_write(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, num_heads_,
-                           num_kv_heads_);
+      const auto& [k_cache, v_cache] = kv_caches[l];
+      rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_);
       torch::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads_, head_dim_});
       torch::Tensor o = torch::empty({t, num_heads_, head_dim_}, q.options());
-      paged_decode_attention(o, q, k_caches[l], v_caches[l], block_tables, seq_lens, scale_);
+      paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale_);
       h = add_rms_norm(run(p[1], o.view({t, qs})), residual, norms_[2 * l], eps_[2 * l]);
       torch::Tensor m = run(p[3], silu_and_mul(run(p[2], h)));
       h = add_rms_norm(m, residual, norms_[2 * l + 1], eps_[2 * l + 1]);

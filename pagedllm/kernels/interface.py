@@ -160,7 +160,7 @@ class CpuKernels:
         head_dim: int,
         scale: float,
     ):
-        """A DecoderPlan: ``decode(h, residual, positions, cos, sin, k_caches, v_caches, slots,
+        """A DecoderPlan: ``decode(h, residual, positions, cos, sin, kv_caches, slots,
         block_tables, seq_lens)`` runs a decode-only step through every layer in one call, with
         the kernels the fused Python loop calls, in its order (so bit-identical to it).
         ``projections``: qkv, o, gate_up, down of each layer, each a list of parts (weight, qtype,

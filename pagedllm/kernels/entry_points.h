@@ -1,0 +1,30 @@
+// The kernels' entry points, declared once for the bindings and for the kernels that call
+// each other (decoder_loop.cpp runs the layer kernels itself).
+#pragma once
+
+#include "common.h"
+
+#include <string>
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
+                          int64_t num_kv_heads);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor argmax_rows(torch::Tensor x);
+bool prefill_attention_available(int64_t head_dim, int64_t block_size);
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
+                             torch::Tensor context_lens, double scale);
+torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          const std::string& epilogue);
+bool packed_gemm_available();
+bool amx_available();
+torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
+torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
+torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
+bool quant_gemm_supports(int64_t qtype);
+bool quant_gemm_simd();
+void bind_decoder_plan(pybind11::module_& m);
