@@ -24,5 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "float32 values of GGUF quantized rows");
   m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
   m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");
+  m.def("quant_interleave_rows", &quant_interleave_rows,
+        "repack Q4_0 / Q4_1 rows (a multiple of 8) in place, eight rows per group, for quant_gemm_interleaved");
+  m.def("quant_deinterleave_rows", &quant_deinterleave_rows, "the GGUF rows of interleaved Q4_0 / Q4_1 weights");
+  m.def("quant_gemm_interleaved", &quant_gemm_interleaved,
+        "x @ W^T with W interleaved Q4_0 / Q4_1 groups (activations quantized to int8 blocks of 32 on the fly)");
   bind_decoder_plan(m);
 }

@@ -16,6 +16,10 @@ import torch
 # rope_and_cache_write rotates a head in fixed 256-float halves (layer_ops.cpp rope_head).
 MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
+# (entry_points.h kInterleaved).
+Q4_0, Q4_1 = 2, 3
+INTERLEAVED_OFFSET = 1000
 
 
 class CpuKernels:
@@ -135,7 +139,7 @@ class CpuKernels:
         """Per row of x, the first argmax of bf16(x @ W^T), no logits written (greedy LM head)."""
         return self._m.packed_gemm_argmax(x, packed)
 
-    # ---- GGUF quantized GEMM (quant_gemm.cpp) ---------------------------------------------------
+    # ---- GGUF quantized GEMM (quant_gemm.cpp, quant_gemm_interleaved.cpp) -----------------------
     def quant_gemm_supports(self, qtype: int) -> bool:
         """Whether quant_gemm runs weights of this GGMLQuantizationType (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K)."""
         return self._m.quant_gemm_supports(qtype)
@@ -146,8 +150,23 @@ class CpuKernels:
 
     def quant_gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] float32, W the N rows of GGUF blocks w [N, bytes] uint8.
-        x is quantized per row to int16 blocks of 32 with a float scale (amax / 32767)."""
+        x is quantized per row to int16 blocks of 32 with a float scale (amax / 32767); for
+        ``interleaved_qtype(t)`` (w repacked by ``quant_interleave_rows``) to int8 blocks (amax / 127)."""
         return self._m.quant_gemm(x, w, qtype)
+
+    @staticmethod
+    def interleaved_qtype(qtype: int) -> int | None:
+        """quant_gemm's code for Q4_0 / Q4_1 weights repacked eight rows at a time (None for other
+        formats). The int8-activation kernel it selects is the fast one at every row count."""
+        return INTERLEAVED_OFFSET + qtype if qtype in (Q4_0, Q4_1) else None
+
+    def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> None:
+        """Repack Q4_0 / Q4_1 rows w [N, bytes] (N a multiple of 8) in place for quant_gemm."""
+        self._m.quant_interleave_rows(w, qtype)
+
+    def quant_deinterleave_rows(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
+        """The GGUF rows (a new tensor) of weights repacked by quant_interleave_rows."""
+        return self._m.quant_deinterleave_rows(w, qtype)
 
     # ---- whole decode steps (decoder_loop.cpp) ----------------------------------------------
     def decoder_plan(

@@ -1,10 +1,11 @@
 // y = x @ W^T with W kept in its GGUF (llama.cpp) quantized blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
 //
 // Activations are quantized on the fly to int16 blocks of 32 with one float scale per block
-// (d = amax / 32767). llama.cpp uses int8 blocks (q8_0 / q8_1); 16 bits cost the same on AVX2
-// (one vpmaddwd does 16 multiply-adds, as does maddubs + madd for 32 int8 ones) and keep the
-// activations' rounding 256x smaller: on the default model the int8 scheme flips near-tie greedy
-// tokens that the float model gets right, int16 is as close to float32 as bf16 weights are not.
+// (d = amax / 32767). llama.cpp uses int8 blocks (q8_0 / q8_1); with one output per accumulator,
+// as here, 16 bits cost the same on AVX2 (one vpmaddwd does 16 multiply-adds, as does maddubs +
+// madd for 32 int8 ones) and keep the activations' rounding 256x smaller. Q4_0 / Q4_1 weights
+// repacked eight rows at a time run in quant_gemm_interleaved.cpp instead, with int8 activations:
+// there the integer sums stay in 16 bits per block and the kernel is 2-3x faster.
 //
 // Every weight block is seen as 32 signed integers, a scale for each half (Q6_K has 16-element
 // sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's min,
@@ -23,7 +24,7 @@
 // yield the same integers and the same float operations in the same order, so each output is
 // bit-identical whatever the number of rows in the call: a sequence's tokens do not depend on the
 // batch it runs in.
-#include "common.h"
+#include "entry_points.h"
 
 #include <c10/util/Half.h>
 
@@ -473,6 +474,7 @@ constexpr int64_t kDecodeFromRows = 4;
 }  // namespace
 
 bool quant_gemm_supports(int64_t qtype) {
+  if (qtype == kInterleaved + Q4_0 || qtype == kInterleaved + Q4_1) return true;
   Format f;
   return format_of(qtype, &f);
 }
@@ -480,7 +482,9 @@ bool quant_gemm_supports(int64_t qtype) {
 bool quant_gemm_simd() { return PAGEDLLM_QAVX2; }
 
 // x: [M, K] float32; w: [N, K / block_elems * block_bytes] uint8 (the GGUF rows, in order) -> [M, N] float32.
+// Interleaved Q4_0 / Q4_1 (qtype kInterleaved + type) go to quant_gemm_interleaved.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
+  if (qtype >= kInterleaved) return quant_gemm_interleaved(x, w, qtype - kInterleaved);
   Format f;
   TORCH_CHECK(format_of(qtype, &f), "quant_gemm: unsupported quantization type ", qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm: x must be [M, K] float32");

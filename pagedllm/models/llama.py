@@ -183,7 +183,7 @@ def _linear_parts(module: nn.Module) -> list[tuple[torch.Tensor, int, torch.Tens
     if isinstance(module, QuantizedLinear):
         if module.kernels is None or (module.bias is not None and module.bias.dtype != torch.float32):
             return None
-        return [(module.qweight, module.qtype, module.bias)]
+        return [(module.qweight, module.kernel_qtype, module.bias)]
     if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return [(module.weight, -1, module.bias)]
     return None

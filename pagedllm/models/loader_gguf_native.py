@@ -151,7 +151,9 @@ def load_gguf_model(
     else:
         model.embed_tokens.weight = nn.Parameter(emb.float_tensor(dtype), requires_grad=False)
     if head is emb and emb.quantized:  # tied: the head reads the embedding's blocks, not a copy
-        model.packed_head = QuantizedLinear(model.embed_tokens.qweight, emb.qtype, emb.k, None, kernels)
+        model.packed_head = QuantizedLinear(
+            model.embed_tokens.qweight, emb.qtype, emb.k, None, kernels, interleave=False
+        )
     elif head.quantized:
         model.lm_head = model.packed_head = _linear([head], None, dtype, kernels)
     elif not model.tie_word_embeddings:

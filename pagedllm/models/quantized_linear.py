@@ -1,11 +1,12 @@
 """Linear and embedding layers whose weights stay in their GGUF (llama.cpp) quantized blocks.
 
 A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_bytes] uint8, and
-never a float copy. ``forward`` runs the compiled integer kernel (kernels/quant_gemm.cpp:
-activations quantized to int16 blocks of 32 on the fly) where it handles the
-format; otherwise the reference path dequantizes the layer for this call only (gguf-py's own
-dequantizer, independent of the kernel) and runs F.linear. The reference is what the kernel is
-tested against.
+never a float copy. ``forward`` runs the compiled integer kernel where it handles the format:
+Q4_0 / Q4_1 weights are repacked eight rows at a time (the same bytes, permuted; as llama.cpp
+repacks Q4_0) for kernels/quant_gemm_interleaved.cpp, int8 activations; the other formats keep
+the file's order for kernels/quant_gemm.cpp, int16 activations. Without kernels the reference path
+dequantizes the layer for this call only (gguf-py's own dequantizer, independent of the kernels)
+and runs F.linear. The reference is what the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W as GGUF blocks. ``kernels``: the compiled CPU kernels, or None
-    for the reference path."""
+    for the reference path. ``interleave=False`` keeps ``qweight`` itself in the file's order
+    (a head that reads the embedding's blocks); otherwise Q4_0 / Q4_1 run from an interleaved copy."""
 
     def __init__(
         self,
@@ -58,14 +60,30 @@ class QuantizedLinear(nn.Module):
         in_features: int,
         bias: torch.Tensor | None = None,
         kernels: CpuKernels | None = None,
+        interleave: bool = True,
     ) -> None:
         super().__init__()
         if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != row_bytes(qtype, in_features):
             raise ValueError(f"qweight {tuple(qweight.shape)} is not rows of {in_features} values in format {qtype}")
         self.qtype, self.in_features, self.out_features = int(qtype), in_features, qweight.shape[0]
-        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.bias = bias
         self.kernels = kernels if kernels is not None and kernels.quant_gemm_supports(self.qtype) else None
+        # quant_gemm's code for the layout qweight holds: the GGUF type, or its interleaved code
+        self.kernel_qtype = self.qtype
+        code = None if self.kernels is None else self.kernels.interleaved_qtype(self.qtype)
+        if interleave and code is not None and self.out_features % 8 == 0:
+            qweight = qweight.clone()  # the caller's rows stay as they were
+            self.kernels.quant_interleave_rows(qweight, self.qtype)
+            self.kernel_qtype = code
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.kernel_qtype != self.qtype
+
+    def gguf_rows(self) -> torch.Tensor:
+        """The weight as GGUF rows [N, bytes] in the file's order (a new tensor when interleaved)."""
+        return self.kernels.quant_deinterleave_rows(self.qweight, self.qtype) if self.interleaved else self.qweight
 
     @property
     def format(self) -> str:
@@ -73,16 +91,16 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] (made for this call; the layer keeps only its blocks)."""
-        return dequantize_rows(self.qweight, self.qtype, self.in_features).to(dtype)
+        return dequantize_rows(self.gguf_rows(), self.qtype, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dtype == torch.float32 and x.dim() == 2 and self.bias is None:
             # The decoder's own case, kept free of no-op reshapes and casts: at batch size 1 a
             # step makes ~120 of these calls and their Python overhead was ~10% of it.
-            return self.kernels.quant_gemm(x, self.qweight, self.qtype)
+            return self.kernels.quant_gemm(x, self.qweight, self.kernel_qtype)
         t = x.reshape(-1, self.in_features)
         if self.kernels is not None:
-            y = self.kernels.quant_gemm(t.float(), self.qweight, self.qtype).to(x.dtype)
+            y = self.kernels.quant_gemm(t.float(), self.qweight, self.kernel_qtype).to(x.dtype)
         else:
             y = F.linear(t, self.dequantized_weight(x.dtype))
         if self.bias is not None:
@@ -94,7 +112,8 @@ class QuantizedLinear(nn.Module):
         return None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+        layout = ", interleaved" if self.interleaved else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}{layout}"
 
 
 class ConcatLinear(nn.Module):
