@@ -19,7 +19,7 @@ from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS = (1, 7, 64, 300)
-INTERLEAVED = (T.Q4_0, T.Q4_1)  # repacked eight rows at a time for the int8-activation kernel
+INTERLEAVED = (T.Q4_0, T.Q4_1)  # repacked eight rows at a time (quant_gemm_interleaved.cpp)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_interleaved_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, r
 def test_interleaving_permutes_the_file_bytes(kernels, qtype):
     w, _ = make_weight(qtype, 24, 256, seed=5)
     p, _ = interleaved(kernels, w, qtype)
-    assert not torch.equal(p, w)
+    assert not torch.equal(p, w) and p.shape == w.shape
     assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)  # the same bytes
     assert torch.equal(kernels.quant_deinterleave_rows(p, int(qtype)), w)
     with pytest.raises(RuntimeError, match="multiple of 8"):

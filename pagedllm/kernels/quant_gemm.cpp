@@ -25,6 +25,7 @@
 // bit-identical whatever the number of rows in the call: a sequence's tokens do not depend on the
 // batch it runs in.
 #include "entry_points.h"
+#include "quant_activations.h"
 
 #include <c10/util/Half.h>
 
@@ -66,15 +67,6 @@ inline bool has_offsets(int64_t qtype) { return qtype == Q4_1 || qtype == Q4_K |
 inline bool two_scales(int64_t qtype) { return qtype == Q6_K; }
 inline bool direct_format(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
-inline float h2f(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
 
 // llama.cpp's get_scale_min_k4: 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
 inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
@@ -171,24 +163,6 @@ void decode_row(int64_t qtype, const uint8_t* src, int64_t K, int16_t* q, float*
       break;
     default:
       TORCH_CHECK(false, "quant_gemm: unsupported quantization type ", qtype);
-  }
-}
-
-// One activation row -> int16 blocks of 32: d = amax / 32767, q = round(x / d); ds = d * sum(q)
-// (what the weights' additive offsets multiply).
-void quantize_row_q16(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
-  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float id = amax != 0.f ? 32767.f / amax : 0.f;
-    d[b] = amax / 32767.f;
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
-      q[i] = static_cast<int16_t>(v);
-      sum += v;
-    }
-    ds[b] = d[b] * static_cast<float>(sum);
   }
 }
 

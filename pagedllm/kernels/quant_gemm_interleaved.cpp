@@ -1,28 +1,28 @@
 // y = x @ W^T for Q4_0 / Q4_1 weights repacked eight rows at a time, with int8 activations.
 //
-// The int16-activation kernel (quant_gemm.cpp) spends two vpmaddwd, a conversion, a multiply and
-// an FMA per output per block of 32: at many activation rows the float work, not the integer dot
-// products, bounds it. Here the eight outputs of a row group sit in the eight 32-bit lanes of one
-// register, as in llama.cpp's repacked Q4_0_8x8: for each block the lanes accumulate their whole
-// integer dot product (vpmaddubsw of 4-bit weights x int8 activations, summed in 16 bits), and one
-// conversion + FMA then scales eight outputs at once. Activations are int8 blocks of 32 with one
-// float scale (d = amax / 127), llama.cpp's q8_0 / q8_1 scheme for these formats.
+// The row-at-a-time kernel (quant_gemm.cpp) spends a conversion, a multiply and an FMA per
+// output per block of 32: at many activation rows that float work, not the integer dot products,
+// bounds it. Here the eight outputs of a row group sit in the eight 32-bit lanes of one register,
+// as in llama.cpp's repacked Q4_0_8x8: each lane sums its block's whole integer dot product, and
+// one conversion + FMA then scales eight outputs at once. Activations are int8 blocks of 32
+// (d = amax / 127; llama.cpp's q8_0 / q8_1 scheme), and the 4-bit x int8 products (vpmaddubsw) of
+// a whole block sum in 16 bits. (Q8_0 gains nothing from this: 8-bit x 8-bit products do not sum
+// in 16 bits, so its lanes need as many vpmaddwd + adds as the row-at-a-time kernel.)
 //
 // Layout of one group of eight rows, per block b (the same bytes as the rows' eight GGUF blocks,
 // permuted; repacking is in place):
-//     [d of rows 0..7 (fp16)] [Q4_1: m of rows 0..7 (fp16)] [chunk 0..3: rows 0..7 x qs bytes 4c..4c+3]
-// A GGUF qs byte j holds element j (low nibble) and element j + 16 (high nibble), so chunk c
-// unpacks to elements 4c..4c+3 (low nibbles) and 16+4c..19+4c (high nibbles) of each row, which
-// meet the activation bytes at the same offsets, broadcast to every lane.
+//     [d of rows 0..7 (fp16)] [Q4_1: m of rows 0..7 (fp16)] [run 0..3: rows 0..7 x qs bytes 4c..4c+3]
+// A GGUF qs byte j holds element j (low nibble) and element j + 16
+// (high nibble), so run c unpacks to elements 4c..4c+3 and 16+4c..19+4c of each row, which meet the
+// activation bytes at the same offsets broadcast to every lane.
 //
 // Per output and block, in this order whatever the number of activation rows:
-//     i = sum(q_w * q_x) [- 8 * sum(q_x) for Q4_0]        (exact integers)
+//     i = sum(q_w * q_x) [Q4_0: - 8 * sum(q_x)]        (exact integers)
 //     acc = fma(float(i), d_w * d_x, acc)
 //     Q4_1: acc = fma(m_w, d_x * float(sum(q_x)), acc)
 // so an output is bit-identical whether its activation row comes alone or with 300 others.
 #include "entry_points.h"
-
-#include <c10/util/Half.h>
+#include "quant_activations.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,69 +42,34 @@ namespace {
 enum : int64_t { Q4_0 = 2, Q4_1 = 3 };
 constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
 
-inline int64_t gguf_block_bytes(int64_t qtype) { return qtype == Q4_1 ? 20 : 18; }
-inline int64_t scale_bytes(int64_t qtype) { return qtype == Q4_1 ? 32 : 16; }  // d (and m) of 8 rows
-
-void check_format(int64_t qtype) {
+// fp16 fields at the head of a GGUF block (d; Q4_1: d, m), before its 16 qs bytes.
+int64_t fields_of(int64_t qtype) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "interleaved quant_gemm: only Q4_0 and Q4_1, not type ", qtype);
+  return qtype == Q4_1 ? 2 : 1;
 }
+inline int64_t block_bytes(int64_t qtype) { return 2 * fields_of(qtype) + 16; }
 
-// Eight GGUF rows (nb blocks each) -> one interleaved group, and back.
-void interleave_group(const uint8_t* rows, int64_t row_bytes, int64_t nb, int64_t qtype, uint8_t* out) {
-  const int64_t bb = gguf_block_bytes(qtype), sb = scale_bytes(qtype), head = bb - 16;
+// Eight GGUF rows (nb blocks each) <-> one interleaved group (`to_group` picks the direction).
+void permute_group(uint8_t* rows, int64_t row_bytes, int64_t nb, int64_t qtype, uint8_t* group, bool to_group) {
+  const int64_t fields = fields_of(qtype), bb = block_bytes(qtype), sb = 2 * fields * kRows;
+  auto move = [to_group](uint8_t* g, uint8_t* r, int64_t n) { to_group ? std::memcpy(g, r, n) : std::memcpy(r, g, n); };
   for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* dst = out + b * kRows * bb;
+    uint8_t* dst = group + b * kRows * bb;
     for (int64_t r = 0; r < kRows; ++r) {
-      const uint8_t* src = rows + r * row_bytes + b * bb;
-      std::memcpy(dst + 2 * r, src, 2);                                   // d
-      if (qtype == Q4_1) std::memcpy(dst + 16 + 2 * r, src + 2, 2);      // m
-      for (int64_t c = 0; c < 4; ++c) std::memcpy(dst + sb + 32 * c + 4 * r, src + head + 4 * c, 4);
+      uint8_t* src = rows + r * row_bytes + b * bb;
+      for (int64_t f = 0; f < fields; ++f) move(dst + 16 * f + 2 * r, src + 2 * f, 2);
+      for (int64_t c = 0; c < 4; ++c) move(dst + sb + 32 * c + 4 * r, src + 2 * fields + 4 * c, 4);
     }
   }
 }
 
-void deinterleave_group(const uint8_t* group, int64_t row_bytes, int64_t nb, int64_t qtype, uint8_t* rows) {
-  const int64_t bb = gguf_block_bytes(qtype), sb = scale_bytes(qtype), head = bb - 16;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* src = group + b * kRows * bb;
-    for (int64_t r = 0; r < kRows; ++r) {
-      uint8_t* dst = rows + r * row_bytes + b * bb;
-      std::memcpy(dst, src + 2 * r, 2);
-      if (qtype == Q4_1) std::memcpy(dst + 2, src + 16 + 2 * r, 2);
-      for (int64_t c = 0; c < 4; ++c) std::memcpy(dst + head + 4 * c, src + sb + 32 * c + 4 * r, 4);
-    }
-  }
-}
-
-// One activation row -> int8 blocks of 32: d = amax / 127, q = round(x / d), s = sum(q).
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
-  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
-      q[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    s[b] = sum;
-  }
-}
-
+// Quantized activation rows of a call: q [M, K], d and s = sum(q) [M, nb].
 struct Activations8 {
-  const int8_t* q;   // [M, K]
-  const float* d;    // [M, nb]
-  const int32_t* s;  // [M, nb]
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
   int64_t K, nb;
 };
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
 
 #if PAGEDLLM_X8_AVX2
 inline __m256i broadcast4(const int8_t* p) {
@@ -149,6 +114,7 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
   }
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
 }
+
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
 template <int MR, bool kQ41>
@@ -169,13 +135,14 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
             dot += (v & 0xF) * xb[4 * c + j] + (v >> 4) * xb[16 + 4 * c + j];
           }
         if (!kQ41) dot -= 8 * a.s[at];
-        acc[r] = std::fma(static_cast<float>(dot), half_to_float(blk + 2 * r) * dx, acc[r]);
-        if (kQ41) acc[r] = std::fma(half_to_float(blk + 16 + 2 * r), dx * static_cast<float>(a.s[at]), acc[r]);
+        acc[r] = std::fma(static_cast<float>(dot), h2f(blk + 2 * r) * dx, acc[r]);
+        if (kQ41) acc[r] = std::fma(h2f(blk + 16 + 2 * r), dx * static_cast<float>(a.s[at]), acc[r]);
       }
     }
     std::memcpy(y + (m0 + m) * ldy, acc, sizeof(acc));
   }
 }
+
 #endif
 
 // Every activation row times groups [g0, g1): four activation rows per pass, the rest one to three.
@@ -209,7 +176,7 @@ inline void grow(std::vector<T>& v, int64_t n) {
 void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "interleaved quant_gemm: w must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * gguf_block_bytes(qtype),
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * block_bytes(qtype),
               "interleaved quant_gemm: weight row bytes do not match K = ", K);
   TORCH_CHECK(w.size(0) % kRows == 0, "interleaved quant_gemm: rows must be a multiple of 8, not ", w.size(0));
 }
@@ -217,37 +184,35 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 }  // namespace
 
 void quant_interleave_rows(torch::Tensor w, int64_t qtype) {
-  check_format(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleave_rows: bad w");
-  const int64_t row_bytes = w.size(1), nb = row_bytes / gguf_block_bytes(qtype);
+  const int64_t row_bytes = w.size(1), nb = row_bytes / block_bytes(qtype);
   check_weight(w, qtype, nb * 32);
   uint8_t* p = w.data_ptr<uint8_t>();
   const int64_t group_bytes = kRows * row_bytes;
   at::parallel_for(0, w.size(0) / kRows, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> tmp(static_cast<size_t>(group_bytes));
+    std::vector<uint8_t> rows(static_cast<size_t>(group_bytes));
     for (int64_t g = g0; g < g1; ++g) {
-      std::memcpy(tmp.data(), p + g * group_bytes, group_bytes);
-      interleave_group(tmp.data(), row_bytes, nb, qtype, p + g * group_bytes);
+      std::memcpy(rows.data(), p + g * group_bytes, group_bytes);
+      permute_group(rows.data(), row_bytes, nb, qtype, p + g * group_bytes, true);
     }
   });
 }
 
 torch::Tensor quant_deinterleave_rows(torch::Tensor w, int64_t qtype) {
-  check_format(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_deinterleave_rows: bad w");
-  const int64_t row_bytes = w.size(1), nb = row_bytes / gguf_block_bytes(qtype);
+  const int64_t row_bytes = w.size(1), nb = row_bytes / block_bytes(qtype);
   check_weight(w, qtype, nb * 32);
   auto out = torch::empty_like(w);
   const int64_t group_bytes = kRows * row_bytes;
   for (int64_t g = 0; g < w.size(0) / kRows; ++g)
-    deinterleave_group(w.data_ptr<uint8_t>() + g * group_bytes, row_bytes, nb, qtype,
-                       out.data_ptr<uint8_t>() + g * group_bytes);
+    permute_group(out.data_ptr<uint8_t>() + g * group_bytes, row_bytes, nb, qtype, w.data_ptr<uint8_t>() + g * group_bytes,
+                  false);
   return out;
 }
 
 // x: [M, K] float32; w: [N, bytes] interleaved by quant_interleave_rows -> [M, N] float32.
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype) {
-  check_format(qtype);
+  fields_of(qtype);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / 32;
@@ -255,23 +220,24 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
-  static thread_local std::vector<int8_t> qx;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t group_bytes = kRows * w.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   static thread_local std::vector<float> dx;
+  grow(dx, M * nb);
+  float* dxp = dx.data();
+  const int64_t grain = std::max<int64_t>(1, 4096 / K);
+  static thread_local std::vector<int8_t> qx;
   static thread_local std::vector<int32_t> sx;
   grow(qx, M * K);
-  grow(dx, M * nb);
   grow(sx, M * nb);
-  const float* xp = x.data_ptr<float>();
   int8_t* qxp = qx.data();
-  float* dxp = dx.data();
   int32_t* sxp = sx.data();
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) quantize_row_q8(xp + m * K, K, qxp + m * K, dxp + m * nb, sxp + m * nb);
   });
   const Activations8 act{qxp, dxp, sxp, K, nb};
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t group_bytes = kRows * w.size(1);
-  float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / kRows, 4, [&](int64_t g0, int64_t g1) {
     if (qtype == Q4_1) {
       groups_times_activations<true>(wp, group_bytes, g0, g1, N, act, M, yp);
