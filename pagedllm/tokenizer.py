@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def load_tokenizer(path: str):
@@ -12,6 +13,19 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types; say which folder failed and why
         raise ValueError(f"Could not load a tokenizer from {path!r}: {e}") from e
+
+
+def shareable_across_threads(tokenizer: Any) -> bool:
+    """True when threads may use ``tokenizer`` at once for encode, decode and chat templates.
+
+    A fast tokenizer's Rust backend is only written to by encode when it has truncation or padding
+    set (transformers resets them per call); without either, encode and decode only read it. Slow
+    (pure Python) tokenizers are not vouched for.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "truncation") or not hasattr(backend, "padding"):
+        return False
+    return backend.truncation is None and backend.padding is None
 
 
 @dataclass
