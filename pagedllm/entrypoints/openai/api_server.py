@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.host_memory import release_freed_heap
 from pagedllm.metrics import ServerMetrics
 from pagedllm.tokenizer import load_tokenizer, shareable_across_threads
 
@@ -514,5 +515,7 @@ def run_server(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     engine.on_dead = on_dead
+    if engine.engine.device.type == "cpu":
+        release_freed_heap()  # what building the app left behind; the engine trimmed its own load
     server.run()
     return 1 if died else 0
