@@ -2,16 +2,46 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, config: Any = None):
+    """transformers' AutoTokenizer for ``path``. ``config``: the model config already loaded from the
+    same folder, which AutoTokenizer would otherwise load again (through AutoConfig and its imports,
+    see pagedllm.models.plain_config); used only when tokenizer_config.json names the tokenizer
+    class, so that the config's class plays no part in choosing it."""
     from transformers import AutoTokenizer
 
+    kwargs = {"config": config} if config is not None and _names_tokenizer_class(path) else {}
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as e:  # transformers raises many types; say which folder failed and why
         raise ValueError(f"Could not load a tokenizer from {path!r}: {e}") from e
+
+
+def _names_tokenizer_class(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("tokenizer_class"), str)
+
+
+def shareable_across_threads(tokenizer: Any) -> bool:
+    """True when threads may use ``tokenizer`` at once for encode, decode and chat templates.
+
+    A fast tokenizer's Rust backend is only written to by encode when it has truncation or padding
+    set (transformers resets them per call); without either, encode and decode only read it. Slow
+    (pure Python) tokenizers are not vouched for.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "truncation") or not hasattr(backend, "padding"):
+        return False
+    return backend.truncation is None and backend.padding is None
 
 
 @dataclass

@@ -16,9 +16,12 @@ BENCHES = {
 }
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_bench_parser(sub: argparse._SubParsersAction, with_kinds: bool = True) -> None:
+    """The `bench` command; ``with_kinds`` False leaves out its kinds, whose modules are then not imported."""
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    if not with_kinds:
+        return
     for kind, (module_name, help_text) in BENCHES.items():
         try:
             module = importlib.import_module(module_name)

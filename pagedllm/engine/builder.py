@@ -16,6 +16,7 @@ from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
 from pagedllm.models.llama import sliding_window
 from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
+from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.scheduler import Scheduler
@@ -68,7 +69,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model = load_gguf_model(native_gguf, hf_config, dtype, device, max_model_len, kernels)
     else:
         model = load_model(model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels)
-    tokenizer = load_tokenizer(config.tokenizer or model_path)
+    tok_path = config.tokenizer or model_path
+    # The plain config spares AutoTokenizer the AutoConfig it would load (an AutoConfig one saves nothing)
+    own_config = tok_path == model_path and isinstance(hf_config, PlainLlamaConfig)
+    tokenizer = load_tokenizer(tok_path, hf_config if own_config else None)
     if device.type == "cpu":
         release_freed_heap()  # before the KV cache: what loading freed goes back to the OS
 

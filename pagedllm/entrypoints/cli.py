@@ -35,7 +35,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command's parser. Given the arguments it will parse, the benchmark kinds (whose modules
+    import httpx and more: ~5 MB resident) are only added when the command is `bench`."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         add_bench_parser = None
     if add_bench_parser is not None:
-        add_bench_parser(sub)
+        add_bench_parser(sub, with_kinds=argv is None or argv[:1] == ["bench"])
     return parser
 
 
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
         reexec_with_tcmalloc(sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, NotImplementedError) as e:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.models.llama import RotaryEmbedding
+from pagedllm.models.plain_config import read_plain_config
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_hf_config(model_dir: str):
+    """The model's config: read directly for the folders GGUF conversion writes (see
+    plain_config: same values, without AutoConfig's imports), else transformers' AutoConfig."""
+    plain = read_plain_config(model_dir)
+    if plain is not None:
+        return plain
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)

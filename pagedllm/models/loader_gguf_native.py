@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.models.gguf_tensors import read_gguf_tensors
 from pagedllm.models.llama import RotaryEmbedding
 from pagedllm.models.loader_gguf import _hf_name, _unpermute
 from pagedllm.models.quantized_linear import QUANTIZED_TYPES, ConcatLinear, QuantizedEmbedding, QuantizedLinear
@@ -53,9 +54,10 @@ class _Tensor:
         return torch.from_numpy(np.array(w.reshape(self.data.shape[0], -1) if self.data.ndim > 1 else w)).to(dtype)
 
 
-def _read(reader: GGUFReader, n_head: int, n_kv: int) -> dict[str, _Tensor]:
+def _read(file_tensors: list, n_head: int, n_kv: int) -> dict[str, _Tensor]:
+    """``file_tensors``: gguf_tensors.GGUFTensor or GGUFReader's ReaderTensor (same fields)."""
     out: dict[str, _Tensor] = {}
-    for t in reader.tensors:
+    for t in file_tensors:
         qtype = int(t.tensor_type)
         if qtype not in QUANTIZED_TYPES and t.tensor_type not in (
             GGMLQuantizationType.F32,
@@ -112,8 +114,10 @@ def load_gguf_model(
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)
-    reader = GGUFReader(gguf_path)
-    tensors = _read(reader, hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    file_tensors = read_gguf_tensors(gguf_path)
+    if file_tensors is None:  # a byte order or version gguf_tensors leaves to gguf-py
+        file_tensors = GGUFReader(gguf_path).tensors
+    tensors = _read(file_tensors, hf_config.num_attention_heads, hf_config.num_key_value_heads)
 
     def take(name: str) -> _Tensor:
         if name not in tensors:
@@ -164,7 +168,7 @@ def load_gguf_model(
     leftover = [n for n in leftover if not n.startswith("rope.")]
     if leftover:
         raise ValueError(f"{gguf_path}: weights not loaded: {leftover}")
-    del reader  # drop the memory map: every tensor kept was copied out of it
+    del file_tensors  # drop the memory map: every tensor kept was copied out of it
 
     model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
     model.eval()

@@ -39,8 +39,9 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.host_memory import release_freed_heap
 from pagedllm.metrics import ServerMetrics
-from pagedllm.tokenizer import load_tokenizer
+from pagedllm.tokenizer import load_tokenizer, shareable_across_threads
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -319,7 +320,14 @@ def build_app(
     llm = engine.engine
     tok_path = llm.config.tokenizer or llm.model_path
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
-    serving_args = (engine, served_model_names, load_tokenizer(tok_path), load_tokenizer(tok_path), pool, limits)
+    # One tokenizer for the engine thread, the tokenizer pool and the event loop where that is safe
+    # (each instance holds ~10 MB); else the pool and the event loop get their own.
+    tok = llm.tokenizer
+    if shareable_across_threads(tok):
+        encode_tok = decode_tok = tok
+    else:
+        encode_tok, decode_tok = load_tokenizer(tok_path), load_tokenizer(tok_path)
+    serving_args = (engine, served_model_names, encode_tok, decode_tok, pool, limits)
     completions = OpenAIServingCompletion(*serving_args)
     chat = OpenAIServingChat(*serving_args)
     started = int(time.time())
@@ -507,5 +515,7 @@ def run_server(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     engine.on_dead = on_dead
+    if engine.engine.device.type == "cpu":
+        release_freed_heap()  # what building the app left behind; the engine trimmed its own load
     server.run()
     return 1 if died else 0

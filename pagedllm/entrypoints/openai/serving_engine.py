@@ -45,9 +45,9 @@ class OpenAIServing:
         tokenizer_pool: ThreadPoolExecutor,
         limits: ServerLimits | None = None,
     ) -> None:
-        # Separate tokenizer instances: a HF fast tokenizer must not be used from two threads at once
-        # (the engine thread decodes with its own; `tokenizer` runs on the one-thread pool;
-        # `decode_tokenizer` decodes logprob tokens on the event loop).
+        # `tokenizer` runs on the one-thread pool, `decode_tokenizer` decodes logprob tokens on the
+        # event loop, the engine thread decodes with the engine's: the same instance only where
+        # that is thread-safe (pagedllm.tokenizer.shareable_across_threads), else separate ones.
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = tokenizer
