@@ -19,7 +19,7 @@ from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS = (1, 7, 64, 300)
-INTERLEAVED = (T.Q4_0, T.Q4_1)  # repacked eight rows at a time (quant_gemm_interleaved.cpp)
+INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q8_0)  # repacked eight rows at a time (quant_gemm_interleaved.cpp)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +99,10 @@ def test_interleaved_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, r
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = kernels.quant_gemm(x, p, code)
     assert y.shape == (rows, n) and y.dtype == torch.float32
-    # 1. The kernel's arithmetic in float64 (int8 activations, the file's weights): the integer
-    #    dot products are exact, only float32 rounding of scales and block sums remains.
-    xq, err = q8_activations(x)
+    # 1. The kernel's arithmetic in float64 (its activations: int8 for Q4_x, int16 for Q8_0; the
+    #    file's weights): the integer dot products are exact, only float32 rounding of scales and
+    #    block sums remains.
+    xq, err = q16_activations(x) if qtype == T.Q8_0 else q8_activations(x)
     emulated = xq.double() @ wf.double().T
     scale = xq.double().abs() @ wf.double().abs().T
     assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6)
@@ -117,7 +118,11 @@ def test_interleaving_permutes_the_file_bytes(kernels, qtype):
     p, _ = interleaved(kernels, w, qtype)
     assert not torch.equal(p, w) and p.shape == w.shape
     assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)  # the same bytes
-    assert torch.equal(kernels.quant_deinterleave_rows(p, int(qtype)), w)
+    assert torch.equal(kernels.quant_interleaved_rows(p, int(qtype), torch.arange(24)), w)
+    ids = torch.tensor([23, 0, 9, 9, 16])  # rows of any group, any order, repeated: embedding lookups
+    assert torch.equal(kernels.quant_interleaved_rows(p, int(qtype), ids), w[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.quant_interleaved_rows(p, int(qtype), torch.tensor([24]))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernels.quant_interleave_rows(w[:20].clone(), int(qtype))
 
@@ -160,7 +165,7 @@ def test_zero_rows_and_zero_activations(kernels):
     assert torch.equal(kernels.quant_gemm(torch.zeros(3, 64), w, int(T.Q4_1)), torch.zeros(3, 16))
 
 
-@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q8_0, T.Q6_K), ids=lambda t: t.name)
 def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     w, wf = make_weight(qtype, 48, 256)
     bias = torch.randn(48)
@@ -173,14 +178,16 @@ def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     torch.testing.assert_close(fast.dequantized_weight(), wf, rtol=0, atol=0)
     torch.testing.assert_close(ref(x), torch.nn.functional.linear(x, wf, bias), rtol=1e-5, atol=1e-5)
     # the kernels' activation rounding (see the bound tests above): int16 ~1e-5 of the output
-    # scale; int8 (interleaved) 256x coarser, amax / 254 per element, ~1e-3 of it on random data
-    tol = 1e-2 if fast.interleaved else 2e-4
+    # scale; int8 (interleaved Q4_x) 256x coarser, amax / 254 per element, ~1e-3 of it on random data
+    tol = 1e-2 if fast.interleaved and qtype != T.Q8_0 else 2e-4
     torch.testing.assert_close(fast(x), ref(x), rtol=0, atol=tol * ref(x).abs().max().item())
     emb_ref = QuantizedEmbedding(w, int(qtype), 256)
     emb = QuantizedEmbedding(w, int(qtype), 256, kernels)
+    tied = QuantizedEmbedding(fast.qweight, int(qtype), 256, kernels, fast.interleaved)  # a tied head's rows
     ids = torch.tensor([[3, 0], [47, 3]])
     torch.testing.assert_close(emb(ids), wf[ids], rtol=0, atol=0)
     torch.testing.assert_close(emb_ref(ids), wf[ids], rtol=0, atol=0)
+    torch.testing.assert_close(tied(ids), wf[ids], rtol=0, atol=0)
 
 
 # ---- whole models ---------------------------------------------------------------------------------

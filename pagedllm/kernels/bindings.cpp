@@ -25,9 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
   m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");
   m.def("quant_interleave_rows", &quant_interleave_rows,
-        "repack Q4_0 / Q4_1 rows (a multiple of 8) in place, eight rows per group, for quant_gemm_interleaved");
-  m.def("quant_deinterleave_rows", &quant_deinterleave_rows, "the GGUF rows of interleaved Q4_0 / Q4_1 weights");
+        "repack Q4_0 / Q4_1 / Q8_0 rows (a multiple of 8) in place, eight rows per group, for quant_gemm_interleaved");
+  m.def("quant_interleaved_rows", &quant_interleaved_rows,
+        "rows `ids` of weights repacked by quant_interleave_rows, as GGUF rows (embedding lookups)");
   m.def("quant_gemm_interleaved", &quant_gemm_interleaved,
-        "x @ W^T with W interleaved Q4_0 / Q4_1 groups (activations quantized to int8 blocks of 32 on the fly)");
+        "x @ W^T with W interleaved Q4_0 / Q4_1 (int8 activation blocks) or Q8_0 (int16) groups");
   bind_decoder_plan(m);
 }

@@ -18,7 +18,7 @@ MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
-Q4_0, Q4_1 = 2, 3
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
 INTERLEAVED_OFFSET = 1000
 
 
@@ -151,22 +151,23 @@ class CpuKernels:
     def quant_gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] float32, W the N rows of GGUF blocks w [N, bytes] uint8.
         x is quantized per row to int16 blocks of 32 with a float scale (amax / 32767); for
-        ``interleaved_qtype(t)`` (w repacked by ``quant_interleave_rows``) to int8 blocks (amax / 127)."""
+        ``interleaved_qtype(Q4_0 / Q4_1)`` (w repacked by ``quant_interleave_rows``) to int8
+        blocks (amax / 127)."""
         return self._m.quant_gemm(x, w, qtype)
 
     @staticmethod
     def interleaved_qtype(qtype: int) -> int | None:
-        """quant_gemm's code for Q4_0 / Q4_1 weights repacked eight rows at a time (None for other
-        formats). The int8-activation kernel it selects is the fast one at every row count."""
-        return INTERLEAVED_OFFSET + qtype if qtype in (Q4_0, Q4_1) else None
+        """quant_gemm's code for Q4_0 / Q4_1 / Q8_0 weights repacked eight rows at a time (None for
+        other formats). The kernel it selects is the faster one at every row count."""
+        return INTERLEAVED_OFFSET + qtype if qtype in (Q4_0, Q4_1, Q8_0) else None
 
     def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> None:
-        """Repack Q4_0 / Q4_1 rows w [N, bytes] (N a multiple of 8) in place for quant_gemm."""
+        """Repack Q4_0 / Q4_1 / Q8_0 rows w [N, bytes] (N a multiple of 8) in place for quant_gemm."""
         self._m.quant_interleave_rows(w, qtype)
 
-    def quant_deinterleave_rows(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
-        """The GGUF rows (a new tensor) of weights repacked by quant_interleave_rows."""
-        return self._m.quant_deinterleave_rows(w, qtype)
+    def quant_interleaved_rows(self, w: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 [R]) of weights repacked by quant_interleave_rows, as GGUF rows [R, bytes]."""
+        return self._m.quant_interleaved_rows(w, qtype, ids)
 
     # ---- whole decode steps (decoder_loop.cpp) ----------------------------------------------
     def decoder_plan(

@@ -3,9 +3,9 @@
 // Activations are quantized on the fly to int16 blocks of 32 with one float scale per block
 // (d = amax / 32767). llama.cpp uses int8 blocks (q8_0 / q8_1); with one output per accumulator,
 // as here, 16 bits cost the same on AVX2 (one vpmaddwd does 16 multiply-adds, as does maddubs +
-// madd for 32 int8 ones) and keep the activations' rounding 256x smaller. Q4_0 / Q4_1 weights
-// repacked eight rows at a time run in quant_gemm_interleaved.cpp instead, with int8 activations:
-// there the integer sums stay in 16 bits per block and the kernel is 2-3x faster.
+// madd for 32 int8 ones) and keep the activations' rounding 256x smaller. Q4_0 / Q4_1 / Q8_0
+// weights repacked eight rows at a time run in quant_gemm_interleaved.cpp instead (Q4_x with int8
+// activations: there the integer sums stay in 16 bits per block), 1.5-3x faster.
 //
 // Every weight block is seen as 32 signed integers, a scale for each half (Q6_K has 16-element
 // sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's min,
@@ -448,7 +448,7 @@ constexpr int64_t kDecodeFromRows = 4;
 }  // namespace
 
 bool quant_gemm_supports(int64_t qtype) {
-  if (qtype == kInterleaved + Q4_0 || qtype == kInterleaved + Q4_1) return true;
+  if (qtype == kInterleaved + Q4_0 || qtype == kInterleaved + Q4_1 || qtype == kInterleaved + Q8_0) return true;
   Format f;
   return format_of(qtype, &f);
 }
@@ -456,7 +456,7 @@ bool quant_gemm_supports(int64_t qtype) {
 bool quant_gemm_simd() { return PAGEDLLM_QAVX2; }
 
 // x: [M, K] float32; w: [N, K / block_elems * block_bytes] uint8 (the GGUF rows, in order) -> [M, N] float32.
-// Interleaved Q4_0 / Q4_1 (qtype kInterleaved + type) go to quant_gemm_interleaved.cpp.
+// Interleaved Q4_0 / Q4_1 / Q8_0 (qtype kInterleaved + type) go to quant_gemm_interleaved.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   if (qtype >= kInterleaved) return quant_gemm_interleaved(x, w, qtype - kInterleaved);
   Format f;

@@ -1,13 +1,17 @@
-// y = x @ W^T for Q4_0 / Q4_1 weights repacked eight rows at a time, with int8 activations.
+// y = x @ W^T for Q4_0 / Q4_1 / Q8_0 weights repacked eight rows at a time.
 //
 // The row-at-a-time kernel (quant_gemm.cpp) spends a conversion, a multiply and an FMA per
 // output per block of 32: at many activation rows that float work, not the integer dot products,
 // bounds it. Here the eight outputs of a row group sit in the eight 32-bit lanes of one register,
 // as in llama.cpp's repacked Q4_0_8x8: each lane sums its block's whole integer dot product, and
-// one conversion + FMA then scales eight outputs at once. Activations are int8 blocks of 32
-// (d = amax / 127; llama.cpp's q8_0 / q8_1 scheme), and the 4-bit x int8 products (vpmaddubsw) of
-// a whole block sum in 16 bits. (Q8_0 gains nothing from this: 8-bit x 8-bit products do not sum
-// in 16 bits, so its lanes need as many vpmaddwd + adds as the row-at-a-time kernel.)
+// one conversion + FMA then scales eight outputs at once; and a thread reads its weights as one
+// sequential stream (the row-at-a-time kernel reads four rows at once and draws ~9 GB/s from
+// memory at one activation row, this one ~16).
+//  - Q4_0 / Q4_1: int8 activation blocks of 32 (d = amax / 127; llama.cpp's q8_0 / q8_1 scheme):
+//    the 4-bit x int8 products (vpmaddubsw) of a whole block sum in 16 bits.
+//  - Q8_0: int16 activation blocks (d = amax / 32767, as quant_gemm.cpp): 8-bit x 8-bit products
+//    do not sum in 16 bits, so int8 would save no instruction, and 16 bits keep the logits of a
+//    Q8_0 head close to float.
 //
 // Layout of one group of eight rows, per block b (the same bytes as the rows' eight GGUF blocks,
 // permuted; repacking is in place):
@@ -39,37 +43,47 @@
 
 namespace {
 
-enum : int64_t { Q4_0 = 2, Q4_1 = 3 };
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
 
-// fp16 fields at the head of a GGUF block (d; Q4_1: d, m), before its 16 qs bytes.
-int64_t fields_of(int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "interleaved quant_gemm: only Q4_0 and Q4_1, not type ", qtype);
-  return qtype == Q4_1 ? 2 : 1;
-}
-inline int64_t block_bytes(int64_t qtype) { return 2 * fields_of(qtype) + 16; }
+// A GGUF block: `fields` fp16 values (d; Q4_1: d, m), then `qs` bytes, regrouped in runs of `run`.
+struct Layout {
+  int64_t fields, qs, run;
+  int64_t block_bytes() const { return 2 * fields + qs; }
+};
 
-// Eight GGUF rows (nb blocks each) <-> one interleaved group (`to_group` picks the direction).
-void permute_group(uint8_t* rows, int64_t row_bytes, int64_t nb, int64_t qtype, uint8_t* group, bool to_group) {
-  const int64_t fields = fields_of(qtype), bb = block_bytes(qtype), sb = 2 * fields * kRows;
-  auto move = [to_group](uint8_t* g, uint8_t* r, int64_t n) { to_group ? std::memcpy(g, r, n) : std::memcpy(r, g, n); };
-  for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* dst = group + b * kRows * bb;
-    for (int64_t r = 0; r < kRows; ++r) {
-      uint8_t* src = rows + r * row_bytes + b * bb;
-      for (int64_t f = 0; f < fields; ++f) move(dst + 16 * f + 2 * r, src + 2 * f, 2);
-      for (int64_t c = 0; c < 4; ++c) move(dst + sb + 32 * c + 4 * r, src + 2 * fields + 4 * c, 4);
-    }
+Layout layout_of(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {1, 16, 4};
+    case Q4_1: return {2, 16, 4};
+    case Q8_0: return {1, 32, 2};
+    default: TORCH_CHECK(false, "interleaved quant_gemm: only Q4_0, Q4_1 and Q8_0, not type ", qtype);
   }
 }
 
-// Quantized activation rows of a call: q [M, K], d and s = sum(q) [M, nb].
-struct Activations8 {
-  const int8_t* q;
+// Row r (of eight) of a group <-> a GGUF row (nb blocks); `to_group` picks the direction.
+void permute_row(uint8_t* row, int64_t r, int64_t nb, const Layout& l, uint8_t* group, bool to_group) {
+  const int64_t bb = l.block_bytes(), sb = 2 * l.fields * kRows;
+  auto move = [to_group](uint8_t* g, uint8_t* w, int64_t n) { to_group ? std::memcpy(g, w, n) : std::memcpy(w, g, n); };
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* dst = group + b * kRows * bb;
+    uint8_t* src = row + b * bb;
+    for (int64_t f = 0; f < l.fields; ++f) move(dst + 16 * f + 2 * r, src + 2 * f, 2);
+    for (int64_t c = 0; c < l.qs / l.run; ++c) move(dst + sb + kRows * l.run * c + l.run * r, src + 2 * l.fields + l.run * c, l.run);
+  }
+}
+
+// Quantized activation rows of a call: q [M, K] (int8 for Q4_x, int16 for Q8_0), d [M, nb] and,
+// for int8, s = sum(q) [M, nb].
+template <class Q>
+struct Activations {
+  const Q* q;
   const float* d;
   const int32_t* s;
   int64_t K, nb;
 };
+using Activations8 = Activations<int8_t>;
+using Activations16 = Activations<int16_t>;
 
 #if PAGEDLLM_X8_AVX2
 inline __m256i broadcast4(const int8_t* p) {
@@ -115,6 +129,37 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
 }
 
+inline __m256i broadcast_pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Q8_0: one group x activation rows m0 .. m0 + MR - 1 (int16) -> y[:, 0:8].
+template <int MR>
+inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = 34;
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = group + b * kRows * bb;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i sums[MR];
+    for (int p = 0; p < 16; ++p) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * p)));
+      for (int m = 0; m < MR; ++m) {
+        // <= 2 * 128 * 32767 per pair, sixteen pairs: < 2^31
+        const __m256i prod = _mm256_madd_epi16(w, broadcast_pair(a.q + (m0 + m) * a.K + 32 * b + 2 * p));
+        sums[m] = p == 0 ? prod : _mm256_add_epi32(sums[m], prod);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(m0 + m) * a.nb + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m]), scale, acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
 template <int MR, bool kQ41>
@@ -143,25 +188,54 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
   }
 }
 
+template <int MR>
+inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = 34;
+  for (int m = 0; m < MR; ++m) {
+    float acc[kRows] = {};
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* blk = group + b * kRows * bb;
+      const int16_t* xb = a.q + (m0 + m) * a.K + 32 * b;
+      const float dx = a.d[(m0 + m) * a.nb + b];
+      for (int64_t r = 0; r < kRows; ++r) {
+        int32_t dot = 0;
+        for (int p = 0; p < 16; ++p)
+          for (int j = 0; j < 2; ++j) dot += static_cast<int8_t>(blk[16 + 16 * p + 2 * r + j]) * xb[2 * p + j];
+        acc[r] = std::fma(static_cast<float>(dot), h2f(blk + 2 * r) * dx, acc[r]);
+      }
+    }
+    std::memcpy(y + (m0 + m) * ldy, acc, sizeof(acc));
+  }
+}
 #endif
 
+// The kernel of a format for MR activation rows.
+template <int64_t QT, int MR, class A>
+inline void run_group(const uint8_t* group, const A& a, int64_t m0, float* y, int64_t ldy) {
+  if constexpr (QT == Q8_0) {
+    group_kernel_q8<MR>(group, a, m0, y, ldy);
+  } else {
+    group_kernel<MR, QT == Q4_1>(group, a, m0, y, ldy);
+  }
+}
+
 // Every activation row times groups [g0, g1): four activation rows per pass, the rest one to three.
-template <bool kQ41>
-void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N,
-                              const Activations8& a, int64_t M, float* y) {
+template <int64_t QT, class A>
+void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N, const A& a,
+                              int64_t M, float* y) {
   constexpr int64_t kTile = 4;  // groups whose weights stay in L1 while every activation row passes
   for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
     const int64_t t1 = std::min(g1, t0 + kTile);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)
-      for (int64_t g = t0; g < t1; ++g) group_kernel<4, kQ41>(w + g * group_bytes, a, m, y + g * kRows, N);
+      for (int64_t g = t0; g < t1; ++g) run_group<QT, 4>(w + g * group_bytes, a, m, y + g * kRows, N);
     for (int64_t g = t0; g < t1; ++g) {
       const uint8_t* gp = w + g * group_bytes;
       float* out = y + g * kRows;
       switch (M - m) {
-        case 3: group_kernel<3, kQ41>(gp, a, m, out, N); break;
-        case 2: group_kernel<2, kQ41>(gp, a, m, out, N); break;
-        case 1: group_kernel<1, kQ41>(gp, a, m, out, N); break;
+        case 3: run_group<QT, 3>(gp, a, m, out, N); break;
+        case 2: run_group<QT, 2>(gp, a, m, out, N); break;
+        case 1: run_group<QT, 1>(gp, a, m, out, N); break;
         default: break;
       }
     }
@@ -176,7 +250,7 @@ inline void grow(std::vector<T>& v, int64_t n) {
 void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "interleaved quant_gemm: w must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * block_bytes(qtype),
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * layout_of(qtype).block_bytes(),
               "interleaved quant_gemm: weight row bytes do not match K = ", K);
   TORCH_CHECK(w.size(0) % kRows == 0, "interleaved quant_gemm: rows must be a multiple of 8, not ", w.size(0));
 }
@@ -184,8 +258,9 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 }  // namespace
 
 void quant_interleave_rows(torch::Tensor w, int64_t qtype) {
+  const Layout l = layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleave_rows: bad w");
-  const int64_t row_bytes = w.size(1), nb = row_bytes / block_bytes(qtype);
+  const int64_t row_bytes = w.size(1), nb = row_bytes / l.block_bytes();
   check_weight(w, qtype, nb * 32);
   uint8_t* p = w.data_ptr<uint8_t>();
   const int64_t group_bytes = kRows * row_bytes;
@@ -193,26 +268,31 @@ void quant_interleave_rows(torch::Tensor w, int64_t qtype) {
     std::vector<uint8_t> rows(static_cast<size_t>(group_bytes));
     for (int64_t g = g0; g < g1; ++g) {
       std::memcpy(rows.data(), p + g * group_bytes, group_bytes);
-      permute_group(rows.data(), row_bytes, nb, qtype, p + g * group_bytes, true);
+      for (int64_t r = 0; r < kRows; ++r) permute_row(rows.data() + r * row_bytes, r, nb, l, p + g * group_bytes, true);
     }
   });
 }
 
-torch::Tensor quant_deinterleave_rows(torch::Tensor w, int64_t qtype) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_deinterleave_rows: bad w");
-  const int64_t row_bytes = w.size(1), nb = row_bytes / block_bytes(qtype);
+torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tensor ids) {
+  const Layout l = layout_of(qtype);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleaved_rows: bad w");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "quant_interleaved_rows: ids must be int64 [R]");
+  const int64_t row_bytes = w.size(1), nb = row_bytes / l.block_bytes(), N = w.size(0);
   check_weight(w, qtype, nb * 32);
-  auto out = torch::empty_like(w);
-  const int64_t group_bytes = kRows * row_bytes;
-  for (int64_t g = 0; g < w.size(0) / kRows; ++g)
-    permute_group(out.data_ptr<uint8_t>() + g * group_bytes, row_bytes, nb, qtype, w.data_ptr<uint8_t>() + g * group_bytes,
-                  false);
+  ids = ids.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  auto out = torch::empty({ids.size(0), row_bytes}, w.options());
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "quant_interleaved_rows: row ", ip[i], " out of range for ", N, " rows");
+    uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / kRows * kRows * row_bytes;
+    permute_row(out.data_ptr<uint8_t>() + i * row_bytes, ip[i] % kRows, nb, l, group, false);
+  }
   return out;
 }
 
 // x: [M, K] float32; w: [N, bytes] interleaved by quant_interleave_rows -> [M, N] float32.
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype) {
-  fields_of(qtype);  // checks the format
+  layout_of(qtype);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / 32;
@@ -228,6 +308,22 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   grow(dx, M * nb);
   float* dxp = dx.data();
   const int64_t grain = std::max<int64_t>(1, 4096 / K);
+  if (qtype == Q8_0) {
+    static thread_local std::vector<int16_t> qx;
+    static thread_local std::vector<float> ds;  // quantize_row_q16's offset sums: Q8_0 has none
+    grow(qx, M * K);
+    grow(ds, M * nb);
+    int16_t* qxp = qx.data();
+    float* dsp = ds.data();
+    at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qxp + m * K, dxp + m * nb, dsp + m * nb);
+    });
+    const Activations16 act{qxp, dxp, nullptr, K, nb};
+    at::parallel_for(0, N / kRows, 4, [&](int64_t g0, int64_t g1) {
+      groups_times_activations<Q8_0>(wp, group_bytes, g0, g1, N, act, M, yp);
+    });
+    return y;
+  }
   static thread_local std::vector<int8_t> qx;
   static thread_local std::vector<int32_t> sx;
   grow(qx, M * K);
@@ -240,9 +336,9 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   const Activations8 act{qxp, dxp, sxp, K, nb};
   at::parallel_for(0, N / kRows, 4, [&](int64_t g0, int64_t g1) {
     if (qtype == Q4_1) {
-      groups_times_activations<true>(wp, group_bytes, g0, g1, N, act, M, yp);
+      groups_times_activations<Q4_1>(wp, group_bytes, g0, g1, N, act, M, yp);
     } else {
-      groups_times_activations<false>(wp, group_bytes, g0, g1, N, act, M, yp);
+      groups_times_activations<Q4_0>(wp, group_bytes, g0, g1, N, act, M, yp);
     }
   });
   return y;

@@ -100,6 +100,25 @@ def _linear(parts: list[_Tensor], bias: torch.Tensor | None, dtype: torch.dtype,
     return ConcatLinear(mods)
 
 
+def _embedding_and_head(model: nn.Module, emb: _Tensor, head: _Tensor, dtype: torch.dtype, kernels: CpuKernels | None):
+    """The token embedding and the LM head (``head is emb`` when tied)."""
+    if head is emb and emb.quantized:  # tied: one copy of the blocks, in the head's layout
+        model.packed_head = QuantizedLinear(torch.from_numpy(np.array(emb.data)), emb.qtype, emb.k, None, kernels)
+        lin = model.packed_head
+        model.embed_tokens = QuantizedEmbedding(lin.qweight, emb.qtype, emb.k, lin.kernels, lin.interleaved)
+        model.embed_tokens.dtype = dtype
+        return
+    if emb.quantized:
+        model.embed_tokens = QuantizedEmbedding(torch.from_numpy(np.array(emb.data)), emb.qtype, emb.k, kernels)
+        model.embed_tokens.dtype = dtype
+    else:
+        model.embed_tokens.weight = nn.Parameter(emb.float_tensor(dtype), requires_grad=False)
+    if head.quantized:
+        model.lm_head = model.packed_head = _linear([head], None, dtype, kernels)
+    elif not model.tie_word_embeddings:
+        model.lm_head.weight = nn.Parameter(head.float_tensor(dtype), requires_grad=False)
+
+
 def load_gguf_model(
     gguf_path: str,
     hf_config,
@@ -149,19 +168,7 @@ def load_gguf_model(
 
     emb = take("model.embed_tokens.weight")
     head = emb if model.tie_word_embeddings else take("lm_head.weight")
-    if emb.quantized:
-        model.embed_tokens = QuantizedEmbedding(torch.from_numpy(np.array(emb.data)), emb.qtype, emb.k, kernels)
-        model.embed_tokens.dtype = dtype
-    else:
-        model.embed_tokens.weight = nn.Parameter(emb.float_tensor(dtype), requires_grad=False)
-    if head is emb and emb.quantized:  # tied: the head reads the embedding's blocks, not a copy
-        model.packed_head = QuantizedLinear(
-            model.embed_tokens.qweight, emb.qtype, emb.k, None, kernels, interleave=False
-        )
-    elif head.quantized:
-        model.lm_head = model.packed_head = _linear([head], None, dtype, kernels)
-    elif not model.tie_word_embeddings:
-        model.lm_head.weight = nn.Parameter(head.float_tensor(dtype), requires_grad=False)
+    _embedding_and_head(model, emb, head, dtype, kernels)
     if tensors:
         raise ValueError(f"{gguf_path}: unexpected tensors {sorted(tensors)}")
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

@@ -2,11 +2,11 @@
 
 A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_bytes] uint8, and
 never a float copy. ``forward`` runs the compiled integer kernel where it handles the format:
-Q4_0 / Q4_1 weights are repacked eight rows at a time (the same bytes, permuted; as llama.cpp
-repacks Q4_0) for kernels/quant_gemm_interleaved.cpp, int8 activations; the other formats keep
-the file's order for kernels/quant_gemm.cpp, int16 activations. Without kernels the reference path
-dequantizes the layer for this call only (gguf-py's own dequantizer, independent of the kernels)
-and runs F.linear. The reference is what the kernels are tested against.
+Q4_0 / Q4_1 / Q8_0 weights are repacked eight rows at a time (the same bytes, permuted; as
+llama.cpp repacks Q4_0) for kernels/quant_gemm_interleaved.cpp (int8 activations for Q4_x, int16
+for Q8_0); the K-quants keep the file's order for kernels/quant_gemm.cpp, int16 activations.
+Without kernels the reference path dequantizes the layer for this call only (gguf-py's own
+dequantizer, independent of the kernels) and runs F.linear. The reference is what the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W as GGUF blocks. ``kernels``: the compiled CPU kernels, or None
-    for the reference path. ``interleave=False`` keeps ``qweight`` itself in the file's order
-    (a head that reads the embedding's blocks); otherwise Q4_0 / Q4_1 run from an interleaved copy."""
+    for the reference path. Q4_0 / Q4_1 / Q8_0 run from an interleaved copy of ``qweight`` unless
+    ``interleave=False``."""
 
     def __init__(
         self,
@@ -83,7 +83,9 @@ class QuantizedLinear(nn.Module):
 
     def gguf_rows(self) -> torch.Tensor:
         """The weight as GGUF rows [N, bytes] in the file's order (a new tensor when interleaved)."""
-        return self.kernels.quant_deinterleave_rows(self.qweight, self.qtype) if self.interleaved else self.qweight
+        if not self.interleaved:
+            return self.qweight
+        return self.kernels.quant_interleaved_rows(self.qweight, self.qtype, torch.arange(self.out_features))
 
     @property
     def format(self) -> str:
@@ -130,19 +132,33 @@ class ConcatLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """Token embedding lookup from GGUF blocks: only the looked-up rows are dequantized."""
+    """Token embedding lookup from GGUF blocks: only the looked-up rows are dequantized.
+    ``interleaved``: qweight is a tied head's repacked weight (QuantizedLinear.qweight), read in place."""
 
-    def __init__(self, qweight: torch.Tensor, qtype: int, dim: int, kernels: CpuKernels | None = None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: int,
+        dim: int,
+        kernels: CpuKernels | None = None,
+        interleaved: bool = False,
+    ) -> None:
         super().__init__()
         if qweight.shape[1] != row_bytes(qtype, dim):
             raise ValueError(f"embedding qweight {tuple(qweight.shape)} is not rows of {dim} values")
         self.qtype, self.dim = int(qtype), dim
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.kernels = kernels if kernels is not None and kernels.quant_gemm_supports(self.qtype) else None
+        if interleaved and self.kernels is None:
+            raise ValueError("an interleaved embedding needs the CPU kernels")
+        self.interleaved = interleaved
         self.dtype = torch.float32  # of the output: set to the activation dtype by the loader
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.qweight.index_select(0, ids.reshape(-1))
+        if self.interleaved:
+            rows = self.kernels.quant_interleaved_rows(self.qweight, self.qtype, ids.reshape(-1).long())
+        else:
+            rows = self.qweight.index_select(0, ids.reshape(-1))
         if self.kernels is not None:
             x = self.kernels.quant_dequantize(rows, self.qtype, self.dim)
         else:
