@@ -171,10 +171,10 @@ def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     bias = torch.randn(48)
     x = torch.randn(2, 5, 256)
     ref = QuantizedLinear(w, int(qtype), 256, bias)  # no kernels: dequantize + F.linear
-    fast = QuantizedLinear(w, int(qtype), 256, bias, kernels)
+    fast = QuantizedLinear(w.clone(), int(qtype), 256, bias, kernels)  # the layer owns its rows
     assert ref.kernels is None and fast.kernels is not None
     assert fast.interleaved == (qtype in INTERLEAVED) and not ref.interleaved
-    assert torch.equal(ref.qweight, w)  # the caller's rows are not repacked under it
+    assert torch.equal(fast.qweight, w) != fast.interleaved  # repacked in place
     torch.testing.assert_close(fast.dequantized_weight(), wf, rtol=0, atol=0)
     torch.testing.assert_close(ref(x), torch.nn.functional.linear(x, wf, bias), rtol=1e-5, atol=1e-5)
     # the kernels' activation rounding (see the bound tests above): int16 ~1e-5 of the output

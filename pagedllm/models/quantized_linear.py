@@ -50,8 +50,8 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W as GGUF blocks. ``kernels``: the compiled CPU kernels, or None
-    for the reference path. Q4_0 / Q4_1 / Q8_0 run from an interleaved copy of ``qweight`` unless
-    ``interleave=False``."""
+    for the reference path. The layer owns ``qweight``: with the kernels, Q4_0 / Q4_1 / Q8_0 rows are
+    repacked in place (no second copy while a model loads) unless ``interleave=False``."""
 
     def __init__(
         self,
@@ -72,7 +72,6 @@ class QuantizedLinear(nn.Module):
         self.kernel_qtype = self.qtype
         code = None if self.kernels is None else self.kernels.interleaved_qtype(self.qtype)
         if interleave and code is not None and self.out_features % 8 == 0:
-            qweight = qweight.clone()  # the caller's rows stay as they were
             self.kernels.quant_interleave_rows(qweight, self.qtype)
             self.kernel_qtype = code
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
