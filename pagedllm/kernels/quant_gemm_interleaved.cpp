@@ -41,7 +41,10 @@
 #define PAGEDLLM_X8_AVX2 0
 #endif
 
+// Named inside the anonymous namespace: the kernel-build test compiles every kernel file as one
+// unit, where quant_gemm.cpp's helpers of the same names live.
 namespace {
+namespace ilv {
 
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
@@ -255,90 +258,92 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.size(0) % kRows == 0, "interleaved quant_gemm: rows must be a multiple of 8, not ", w.size(0));
 }
 
+}  // namespace ilv
 }  // namespace
 
 void quant_interleave_rows(torch::Tensor w, int64_t qtype) {
-  const Layout l = layout_of(qtype);
+  const ilv::Layout l = ilv::layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleave_rows: bad w");
   const int64_t row_bytes = w.size(1), nb = row_bytes / l.block_bytes();
-  check_weight(w, qtype, nb * 32);
+  ilv::check_weight(w, qtype, nb * 32);
   uint8_t* p = w.data_ptr<uint8_t>();
-  const int64_t group_bytes = kRows * row_bytes;
-  at::parallel_for(0, w.size(0) / kRows, 1, [&](int64_t g0, int64_t g1) {
+  const int64_t group_bytes = ilv::kRows * row_bytes;
+  at::parallel_for(0, w.size(0) / ilv::kRows, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> rows(static_cast<size_t>(group_bytes));
     for (int64_t g = g0; g < g1; ++g) {
       std::memcpy(rows.data(), p + g * group_bytes, group_bytes);
-      for (int64_t r = 0; r < kRows; ++r) permute_row(rows.data() + r * row_bytes, r, nb, l, p + g * group_bytes, true);
+      for (int64_t r = 0; r < ilv::kRows; ++r)
+        ilv::permute_row(rows.data() + r * row_bytes, r, nb, l, p + g * group_bytes, true);
     }
   });
 }
 
 torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tensor ids) {
-  const Layout l = layout_of(qtype);
+  const ilv::Layout l = ilv::layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleaved_rows: bad w");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "quant_interleaved_rows: ids must be int64 [R]");
   const int64_t row_bytes = w.size(1), nb = row_bytes / l.block_bytes(), N = w.size(0);
-  check_weight(w, qtype, nb * 32);
+  ilv::check_weight(w, qtype, nb * 32);
   ids = ids.contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
   auto out = torch::empty({ids.size(0), row_bytes}, w.options());
   for (int64_t i = 0; i < ids.size(0); ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "quant_interleaved_rows: row ", ip[i], " out of range for ", N, " rows");
-    uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / kRows * kRows * row_bytes;
-    permute_row(out.data_ptr<uint8_t>() + i * row_bytes, ip[i] % kRows, nb, l, group, false);
+    uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / ilv::kRows * ilv::kRows * row_bytes;
+    ilv::permute_row(out.data_ptr<uint8_t>() + i * row_bytes, ip[i] % ilv::kRows, nb, l, group, false);
   }
   return out;
 }
 
 // x: [M, K] float32; w: [N, bytes] interleaved by quant_interleave_rows -> [M, N] float32.
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype) {
-  layout_of(qtype);  // checks the format
+  ilv::layout_of(qtype);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / 32;
-  check_weight(w, qtype, K);
+  ilv::check_weight(w, qtype, K);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t group_bytes = kRows * w.size(1);
+  const int64_t group_bytes = ilv::kRows * w.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   static thread_local std::vector<float> dx;
-  grow(dx, M * nb);
+  ilv::grow(dx, M * nb);
   float* dxp = dx.data();
   const int64_t grain = std::max<int64_t>(1, 4096 / K);
-  if (qtype == Q8_0) {
+  if (qtype == ilv::Q8_0) {
     static thread_local std::vector<int16_t> qx;
     static thread_local std::vector<float> ds;  // quantize_row_q16's offset sums: Q8_0 has none
-    grow(qx, M * K);
-    grow(ds, M * nb);
+    ilv::grow(qx, M * K);
+    ilv::grow(ds, M * nb);
     int16_t* qxp = qx.data();
     float* dsp = ds.data();
     at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qxp + m * K, dxp + m * nb, dsp + m * nb);
     });
-    const Activations16 act{qxp, dxp, nullptr, K, nb};
-    at::parallel_for(0, N / kRows, 4, [&](int64_t g0, int64_t g1) {
-      groups_times_activations<Q8_0>(wp, group_bytes, g0, g1, N, act, M, yp);
+    const ilv::Activations16 act{qxp, dxp, nullptr, K, nb};
+    at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
+      ilv::groups_times_activations<ilv::Q8_0>(wp, group_bytes, g0, g1, N, act, M, yp);
     });
     return y;
   }
   static thread_local std::vector<int8_t> qx;
   static thread_local std::vector<int32_t> sx;
-  grow(qx, M * K);
-  grow(sx, M * nb);
+  ilv::grow(qx, M * K);
+  ilv::grow(sx, M * nb);
   int8_t* qxp = qx.data();
   int32_t* sxp = sx.data();
   at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) quantize_row_q8(xp + m * K, K, qxp + m * K, dxp + m * nb, sxp + m * nb);
   });
-  const Activations8 act{qxp, dxp, sxp, K, nb};
-  at::parallel_for(0, N / kRows, 4, [&](int64_t g0, int64_t g1) {
-    if (qtype == Q4_1) {
-      groups_times_activations<Q4_1>(wp, group_bytes, g0, g1, N, act, M, yp);
+  const ilv::Activations8 act{qxp, dxp, sxp, K, nb};
+  at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
+    if (qtype == ilv::Q4_1) {
+      ilv::groups_times_activations<ilv::Q4_1>(wp, group_bytes, g0, g1, N, act, M, yp);
     } else {
-      groups_times_activations<Q4_0>(wp, group_bytes, g0, g1, N, act, M, yp);
+      ilv::groups_times_activations<ilv::Q4_0>(wp, group_bytes, g0, g1, N, act, M, yp);
     }
   });
   return y;
