@@ -60,13 +60,19 @@ def test_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, rows):
     y = kernels.quant_gemm(x, w, int(qtype))
     assert y.shape == (rows, n) and y.dtype == torch.float32
 
-    # 1. Exactly the kernel's arithmetic in float64 (its int16 activations, the file's weights): only
-    #    float32 rounding of the per-block scale products and the sums separates them.
-    xq, err = q16_activations(x)
+    assert_kernel_arithmetic(y, x, wf, q16_activations(x))
+
+
+def assert_kernel_arithmetic(y, x, wf, activations: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """y = quant_gemm(x) against the float weights wf, given the kernel's activation scheme
+    (dequantized x, per-element rounding bound)."""
+    xq, err = activations
+    # 1. Exactly the kernel's arithmetic in float64 (its quantized activations, the file's weights):
+    #    the integer dot products are exact, only float32 rounding of the per-block scale products
+    #    and the sums separates them.
     emulated = xq.double() @ wf.double().T
     scale = xq.double().abs() @ wf.double().abs().T
     assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6)
-
     # 2. Against the float reference the only extra error is the activations' rounding:
     #    |x - xq| <= d / 2 per element, so |y - x W^T| <= (d / 2) @ |W|^T (plus the float slack).
     ref = x.double() @ wf.double().T
@@ -99,17 +105,8 @@ def test_interleaved_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, r
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = kernels.quant_gemm(x, p, code)
     assert y.shape == (rows, n) and y.dtype == torch.float32
-    # 1. The kernel's arithmetic in float64 (its activations: int8 for Q4_x, int16 for Q8_0; the
-    #    file's weights): the integer dot products are exact, only float32 rounding of scales and
-    #    block sums remains.
-    xq, err = q16_activations(x) if qtype == T.Q8_0 else q8_activations(x)
-    emulated = xq.double() @ wf.double().T
-    scale = xq.double().abs() @ wf.double().abs().T
-    assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6)
-    # 2. Against float activations the extra error is their rounding, |x - xq| <= d / 2.
-    ref = x.double() @ wf.double().T
-    bound = err.double() @ wf.double().abs().T
-    assert torch.all((y.double() - ref).abs() <= bound * (1 + 1e-4) + 2e-5 * scale + 1e-6)
+    # activations: int8 for Q4_x, int16 for Q8_0
+    assert_kernel_arithmetic(y, x, wf, q16_activations(x) if qtype == T.Q8_0 else q8_activations(x))
 
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: t.name)

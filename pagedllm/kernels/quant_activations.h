@@ -23,38 +23,27 @@ inline float h2f(const uint8_t* p) {
 #endif
 }
 
-// One activation row -> int16 blocks of 32: d = amax / 32767, q = round(x / d); ds = d * sum(q)
-// (what the weights' additive offsets multiply).
+// One activation row -> blocks of 32 integers in [-kMax, kMax] with one float scale each:
+// d = amax / kMax, q = round(x / d); on_block(b, sum(q)) per block (what additive weight offsets
+// multiply; a format without offsets passes a no-op).
+template <class Q, int kMax, class OnBlock>
+inline void quantize_row(const float* x, int64_t K, Q* q, float* d, OnBlock on_block) {
+  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float id = amax != 0.f ? static_cast<float>(kMax) / amax : 0.f;
+    d[b] = amax / static_cast<float>(kMax);
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
+      q[i] = static_cast<Q>(v);
+      sum += v;
+    }
+    on_block(b, sum);
+  }
+}
+
+// int16 blocks (quant_gemm.cpp): ds = d * sum(q).
 inline void quantize_row_q16(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
-  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float id = amax != 0.f ? 32767.f / amax : 0.f;
-    d[b] = amax / 32767.f;
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
-      q[i] = static_cast<int16_t>(v);
-      sum += v;
-    }
-    ds[b] = d[b] * static_cast<float>(sum);
-  }
+  quantize_row<int16_t, 32767>(x, K, q, d, [&](int64_t b, int32_t s) { ds[b] = d[b] * static_cast<float>(s); });
 }
-
-// One activation row -> int8 blocks of 32: d = amax / 127, q = round(x / d), s = sum(q).
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
-  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
-      q[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    s[b] = sum;
-  }
-}
-

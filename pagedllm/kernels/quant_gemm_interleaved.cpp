@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -250,6 +251,29 @@ inline void grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
 }
 
+// The call's activation rows, quantized once and shared by every thread (scratch kept per thread
+// between calls); with_sums: also s = sum(q) per block (Q4_0's - 8 and Q4_1's min need it).
+template <class Q, int kMax>
+Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool with_sums) {
+  const int64_t nb = K / 32;
+  static thread_local std::vector<Q> q;
+  static thread_local std::vector<float> d;
+  static thread_local std::vector<int32_t> s;
+  grow(q, M * K);
+  grow(d, M * nb);
+  if (with_sums) grow(s, M * nb);
+  Q* qp = q.data();
+  float* dp = d.data();
+  int32_t* sp = with_sums ? s.data() : nullptr;
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      quantize_row<Q, kMax>(x + m * K, K, qp + m * K, dp + m * nb, [&](int64_t blk, int32_t sum) {
+        if (sp != nullptr) sp[m * nb + blk] = sum;
+      });
+  });
+  return {qp, dp, sp, K, nb};
+}
+
 void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "interleaved quant_gemm: w must be contiguous uint8 [N, bytes]");
@@ -300,7 +324,7 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   ilv::layout_of(qtype);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / 32;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   ilv::check_weight(w, qtype, K);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -309,42 +333,17 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   const int64_t group_bytes = ilv::kRows * w.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  static thread_local std::vector<float> dx;
-  ilv::grow(dx, M * nb);
-  float* dxp = dx.data();
-  const int64_t grain = std::max<int64_t>(1, 4096 / K);
-  if (qtype == ilv::Q8_0) {
-    static thread_local std::vector<int16_t> qx;
-    static thread_local std::vector<float> ds;  // quantize_row_q16's offset sums: Q8_0 has none
-    ilv::grow(qx, M * K);
-    ilv::grow(ds, M * nb);
-    int16_t* qxp = qx.data();
-    float* dsp = ds.data();
-    at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) quantize_row_q16(xp + m * K, K, qxp + m * K, dxp + m * nb, dsp + m * nb);
-    });
-    const ilv::Activations16 act{qxp, dxp, nullptr, K, nb};
+  auto run = [&](auto format, const auto& act) {  // format: the GGUF type, as a compile-time constant
     at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
-      ilv::groups_times_activations<ilv::Q8_0>(wp, group_bytes, g0, g1, N, act, M, yp);
+      ilv::groups_times_activations<decltype(format)::value>(wp, group_bytes, g0, g1, N, act, M, yp);
     });
-    return y;
+  };
+  if (qtype == ilv::Q8_0) {
+    run(std::integral_constant<int64_t, ilv::Q8_0>{}, ilv::quantize_activations<int16_t, 32767>(xp, M, K, false));
+  } else if (qtype == ilv::Q4_1) {
+    run(std::integral_constant<int64_t, ilv::Q4_1>{}, ilv::quantize_activations<int8_t, 127>(xp, M, K, true));
+  } else {
+    run(std::integral_constant<int64_t, ilv::Q4_0>{}, ilv::quantize_activations<int8_t, 127>(xp, M, K, true));
   }
-  static thread_local std::vector<int8_t> qx;
-  static thread_local std::vector<int32_t> sx;
-  ilv::grow(qx, M * K);
-  ilv::grow(sx, M * nb);
-  int8_t* qxp = qx.data();
-  int32_t* sxp = sx.data();
-  at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row_q8(xp + m * K, K, qxp + m * K, dxp + m * nb, sxp + m * nb);
-  });
-  const ilv::Activations8 act{qxp, dxp, sxp, K, nb};
-  at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
-    if (qtype == ilv::Q4_1) {
-      ilv::groups_times_activations<ilv::Q4_1>(wp, group_bytes, g0, g1, N, act, M, yp);
-    } else {
-      ilv::groups_times_activations<ilv::Q4_0>(wp, group_bytes, g0, g1, N, act, M, yp);
-    }
-  });
   return y;
 }

@@ -71,10 +71,11 @@ class QuantizedLinear(nn.Module):
         # quant_gemm's code for the layout qweight holds: the GGUF type, or its interleaved code
         self.kernel_qtype = self.qtype
         code = None if self.kernels is None else self.kernels.interleaved_qtype(self.qtype)
+        qweight = qweight.contiguous()
         if interleave and code is not None and self.out_features % 8 == 0:
             self.kernels.quant_interleave_rows(qweight, self.qtype)
             self.kernel_qtype = code
-        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.register_buffer("qweight", qweight, persistent=False)
 
     @property
     def interleaved(self) -> bool:
