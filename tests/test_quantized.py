@@ -291,6 +291,17 @@ def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantizatio
     assert model.activation_dtype() == torch.float32 and model.kernels is not None
 
 
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_native_load_interleaves_the_formats_with_that_kernel(gguf_files, kernels, which):
+    """Q4_0 / Q4_1 / Q8_0 layers (rows a multiple of 8) are repacked for the interleaved kernel at
+    load; the K-quants keep the file's order."""
+    model = LLM(model=gguf_files[which], dtype="float32", num_kv_blocks=32, quantization="gguf").llm_engine.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    expected = [m.qtype in {int(t) for t in INTERLEAVED} and m.out_features % 8 == 0 for m in layers]
+    assert [m.interleaved for m in layers] == expected
+    assert any(expected) == (which == "legacy")
+
+
 def test_quantization_flag_validation(tiny_llama):
     from pagedllm.config import EngineConfig
 
