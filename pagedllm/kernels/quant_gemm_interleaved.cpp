@@ -96,6 +96,18 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Asks for the weight bytes kPrefetchDistance ahead of a block of kBytes (every cache line they
+// span). The weights are read once per call and nothing else hides the memory latency: at one
+// activation row the hardware prefetcher alone streamed a decode step's weights at ~14 GB/s,
+// with this ~18 (alternating runs). A prefetch past the end of the weights is harmless.
+constexpr int64_t kPrefetchDistance = 1024;
+
+template <int64_t kBytes>
+inline void prefetch_ahead(const uint8_t* block) {
+  const char* p = reinterpret_cast<const char*>(block) + kPrefetchDistance;
+  for (int64_t o = 0; o < kBytes + 63; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 // One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8].
 template <int MR, bool kQ41>
 inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
@@ -105,6 +117,7 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = group + b * kRows * bb;
+    prefetch_ahead<kRows * bb>(blk);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     __m256i sums[MR];
     for (int c = 0; c < 4; ++c) {
@@ -147,6 +160,7 @@ inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = group + b * kRows * bb;
+    prefetch_ahead<kRows * bb>(blk);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const int16_t* xb[MR];
     __m256i sums[MR];
