@@ -1,7 +1,8 @@
 """Turns the last-position logits of each sampling sequence into next tokens (+ logprobs).
 
-Order as in vLLM: penalties, min_tokens masking, then greedy argmax or temperature ->
-top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw distribution.
+Order as in vLLM: the structured-output mask, penalties, min_tokens masking, then greedy argmax
+or temperature -> top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw
+distribution (before the mask: what the model thinks of each token, not what it was allowed).
 Random draws use the exponential-race trick (argmax p / Exp(1)), with a per-sequence
 generator when the sequence has a seed, so its tokens do not depend on its batch.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagedllm.runner.seq_state import SeqState
@@ -29,6 +32,20 @@ class SamplerOutput:
         return cls(ids, [None] * len(ids), [None] * len(ids))
 
 
+class AllowedTokens(NamedTuple):
+    """Structured outputs' masks for some rows of a step's logits."""
+
+    rows: list[int]  # rows of the logits
+    bitmask: np.ndarray  # int32 [len(rows), ceil(vocab / 32)]: bit t set when token t is allowed
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Sets every disallowed token's logit of those rows to -inf, in place."""
+        vocab = logits.shape[1]
+        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        rows = torch.tensor(self.rows, dtype=torch.long)
+        logits[rows] = logits[rows].masked_fill(torch.from_numpy(bits) == 0, float("-inf"))
+
+
 class Sampler:
     def __init__(self, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """``argmax_rows``: the compiled bf16 / float32 row argmax (pagedllm.kernels), or None for torch's."""
@@ -37,15 +54,22 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.argmax_rows = argmax_rows
 
-    def __call__(self, logits: torch.Tensor, requests: list[SeqState]) -> SamplerOutput:
-        """``logits`` in any float dtype: an all-greedy batch without logprobs or penalties takes
-        the argmax of the model's own (bf16) logits, which is the argmax of their float copy."""
-        if _greedy_without_extras(requests):
+    def __call__(
+        self, logits: torch.Tensor, requests: list[SeqState], allowed: AllowedTokens | None = None
+    ) -> SamplerOutput:
+        """``logits`` in any float dtype: an all-greedy batch without logprobs, penalties or
+        structured outputs takes the argmax of the model's own (bf16) logits, which is the argmax
+        of their float copy. ``allowed``: the structured-output masks of constrained rows."""
+        if allowed is None and _greedy_without_extras(requests):
             return SamplerOutput.of_tokens(self._greedy(logits).tolist())
         want_logprobs = any(r.needs_logprobs for r in requests)
         penalties = _needs_penalties(requests)
         logits = logits.float()
-        processed = self._apply_penalties(logits.clone(), requests) if penalties else logits
+        processed = logits.clone() if penalties or allowed is not None else logits
+        if allowed is not None:
+            allowed.apply(processed)
+        if penalties:
+            processed = self._apply_penalties(processed, requests)
         token_ids = self._choose(processed, requests)
         if not want_logprobs:
             return SamplerOutput.of_tokens(token_ids.tolist())

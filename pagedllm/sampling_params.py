@@ -6,6 +6,9 @@ import copy
 import math
 import reprlib
 from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # OpenAI's range. Above it sampling is uniform noise anyway; the bound keeps nonsense such as 1e39 out.
@@ -51,6 +54,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match this (JSON schema, regex, choice, grammar): see pagedllm.structured_output.
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's earlier name for structured_outputs (its GuidedDecodingParams): moved there.
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False, compare=False)
     # Filled by the engine: token ids that end generation besides stop_token_ids (the model's EOS).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
     # Set by beam search: logprobs are reported for the distribution scaled by this temperature
@@ -67,6 +74,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Give structured_outputs or guided_decoding (its earlier name), not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.structured_outputs = _structured(self.structured_outputs)
         self._verify()
 
     def _verify(self) -> None:
@@ -144,3 +156,15 @@ class SamplingParams:
         c.stop_token_ids = list(self.stop_token_ids)
         c.all_stop_token_ids = set(self.all_stop_token_ids)
         return c
+
+
+def _structured(value: Any) -> StructuredOutputsParams | None:
+    """StructuredOutputsParams from itself or its fields as a dict (vLLM takes the object only)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from e
+    raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(value).__name__}.")

@@ -1,13 +1,16 @@
 """The plain data that crosses from the scheduler to the model runner and back, once per step.
 
-Only ids, counts and token ids: no tensors, no KV manager, no sequence objects. The runner keeps
-its own per-sequence state (tokens, block table, random generator) and updates it from this.
+Only ids, counts, token ids and the structured-output bitmask: no tensors, no KV manager, no
+sequence objects. The runner keeps its own per-sequence state (tokens, block table, random
+generator) and updates it from this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from pagedllm.kv.base import BlockOp
 from pagedllm.sampling_params import SamplingParams
@@ -42,6 +45,13 @@ class CachedSequenceData:
     num_computed_tokens: int
 
 
+class GrammarBitmask(NamedTuple):
+    """The tokens each constrained sequence sampling this step may take (structured outputs)."""
+
+    rows: dict[str, int]  # seq id -> its row of ``mask``
+    mask: np.ndarray  # int32 [rows, ceil(vocab / 32)]: bit t of a row set when token t is allowed
+
+
 @dataclass
 class SchedulerOutput:
     new_seqs: list[NewSequenceData] = field(default_factory=list)
@@ -55,6 +65,8 @@ class SchedulerOutput:
     # Sequences whose blocks were taken (preempted): the runner drops their block tables but
     # keeps their generators, so a seeded sequence draws on where it left off.
     preempted_seq_ids: set[str] = field(default_factory=set)
+    # Set by the engine core after scheduling when sequences with structured outputs sample.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -10,8 +10,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -83,6 +87,8 @@ class Sequence:
             [None] if sampling_params.prompt_logprobs is not None else None
         )
         self.num_preemptions = 0
+        # SamplingParams.structured_outputs: the matcher of its output (advanced as tokens append).
+        self.grammar: GrammarState | None = None
         # The seed of this sequence's random draws (the runner keeps the generator).
         self.seed = sampling_params.seed if seed is None else seed
         self.auto_append = auto_append
@@ -128,6 +134,8 @@ class Sequence:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -172,6 +180,8 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         if self.prompt_logprobs is not None:  # the request's are its first sequence's: none to compute
             child.prompt_logprobs = list(self.prompt_logprobs)
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork(child.output_token_ids)
         child.num_preemptions = self.num_preemptions
         child.first_scheduled_time = self.first_scheduled_time
         child.first_token_time = self.first_token_time

@@ -18,6 +18,10 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
         if last in sp.stop_token_ids:
             seq.stop_reason = last
             return SequenceStatus.FINISHED_STOPPED
+    if seq.grammar is not None and seq.grammar.is_terminated:
+        # Its structured output is complete: nothing but end-of-sequence could follow.
+        seq.stop_reason = None
+        return SequenceStatus.FINISHED_STOPPED
     if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH
     return None

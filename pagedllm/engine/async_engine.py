@@ -178,6 +178,9 @@ class AsyncLLMEngine:
 
         Raises what LLMEngine.add_request raises (ValueError for a bad request, nothing queued).
         """
+        if params is not None and params.structured_outputs is not None:
+            # Compiled here, in a worker thread, so the step loop only finds it in the cache.
+            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, self)
         fut: asyncio.Future[None] = loop.create_future()

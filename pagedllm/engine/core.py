@@ -15,14 +15,18 @@ from collections.abc import Callable, Collection
 
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.scheduler import SampledToken, Scheduler
-from pagedllm.scheduler_output import SchedulerOutput
+from pagedllm.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagedllm.sequence import Sequence, SequenceStatus
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, structured: StructuredOutputManager | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.structured = structured
         # Called with every SchedulerOutput before the runner executes it (benchmarks sample
         # KV memory there: the memory the step runs with).
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
@@ -59,6 +63,7 @@ class EngineCore:
         self.last_scheduled = []  # stays empty if schedule() itself raises
         sched = self.scheduler.schedule() if only is None else self.scheduler.schedule_only(set(only))
         self.last_scheduled = list(sched.num_scheduled_tokens)
+        sched.grammar_bitmask = self._grammar_bitmask(sched)
         if self.on_schedule is not None:
             self.on_schedule(sched)
         try:
@@ -69,3 +74,19 @@ class EngineCore:
         if not sched.is_empty:
             self.num_steps += 1
         return self.scheduler.update_from_output(sched, sampled)
+
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
+        """The masks of the constrained sequences that sample this step (their last known token runs)."""
+        if self.structured is None:
+            return None
+        seqs = self.scheduler.seqs
+        ids = []
+        for seq_id, n in sched.num_scheduled_tokens.items():
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.grammar is not None and seq.grammar.constrains:
+                if seq.num_computed_tokens + n == seq.num_tokens:
+                    ids.append(seq_id)
+        if not ids:
+            return None
+        mask = self.structured.bitmask([seqs[i].grammar for i in ids])
+        return GrammarBitmask({seq_id: row for row, seq_id in enumerate(ids)}, mask)

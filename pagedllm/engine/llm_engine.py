@@ -22,6 +22,7 @@ from pagedllm.engine.intake import PromptType, tokenize_prompt, validate_prompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -46,7 +47,8 @@ class LLMEngine:
         self.kv_manager = parts.kv_manager
         self.scheduler = parts.scheduler
         self.runner = parts.runner
-        self.core = EngineCore(parts.scheduler, parts.runner)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, _grammar_eos(self))
+        self.core = EngineCore(parts.scheduler, parts.runner, self.structured)
         self._groups: dict[str, Group] = {}  # request id -> its group
         self._group_of: dict[str, Group] = {}  # live sequence id -> its group
         self._ids = itertools.count()
@@ -89,6 +91,8 @@ class LLMEngine:
         if clashes:
             raise ValueError(f"request_id {request_id!r} clashes with a sequence id in use ({clashes[0]!r}).")
         first = Sequence(request_id, ids, params, arrival_time=arrival_time)
+        if params.structured_outputs is not None:
+            first.grammar = self.structured.new_state(params.structured_outputs)
         self._groups[request_id] = SampleGroup(request_id, text, first, self.core, self._group_of, self.tokenizer)
         return request_id
 
@@ -201,3 +205,12 @@ class LLMEngine:
             "prefix_cache_hits": hits,
             **self.stats_counters,
         }
+
+
+def _grammar_eos(engine: LLMEngine) -> int | None:
+    """The end-of-sequence token a completed structured output allows: the tokenizer's own when
+    the engine stops on it, else the lowest stop id."""
+    eos = getattr(engine.tokenizer, "eos_token_id", None)
+    if eos in engine.eos_token_ids or not engine.eos_token_ids:
+        return eos
+    return min(engine.eos_token_ids)

@@ -17,7 +17,7 @@ from pagedllm.kernels.interface import CpuKernels
 from pagedllm.runner.block_table import BlockTables
 from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.runner.seq_state import SeqState
-from pagedllm.sampler import Sampler
+from pagedllm.sampler import AllowedTokens, Sampler
 from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedllm.utils import cdiv
 
@@ -94,14 +94,15 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], [], prompt_lps)
         seq_ids = [s.seq_id for s in sampling]
         hidden = hidden[sample_rows]
-        if self.sampler.argmax_only(sampling):
+        allowed = _allowed_tokens(sched, seq_ids)
+        if allowed is None and self.sampler.argmax_only(sampling):
             ids = self.model.greedy_tokens(hidden)
             if ids is not None:
                 n = len(seq_ids)
                 return ModelRunnerOutput(seq_ids, ids.tolist(), [None] * n, [None] * n, prompt_lps)
         logits = self.model.compute_logits(hidden)
         # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
-        out = self.sampler(logits.cpu(), sampling)
+        out = self.sampler(logits.cpu(), sampling, allowed)
         return ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, runs: list[_PromptRun]) -> dict[str, PromptLogprobsChunk]:
@@ -246,3 +247,14 @@ class ModelRunner:
         positions = torch.cat(pos_parts).to(dev)
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return input_ids, positions, meta, rows_t, sampling, prompt_runs
+
+
+def _allowed_tokens(sched: SchedulerOutput, seq_ids: list[str]) -> AllowedTokens | None:
+    """The structured-output masks of this step's sampling rows, or None when no row has one."""
+    bitmask = sched.grammar_bitmask
+    if bitmask is None:
+        return None
+    rows = [(i, bitmask.rows[sid]) for i, sid in enumerate(seq_ids) if sid in bitmask.rows]
+    if not rows:
+        return None
+    return AllowedTokens([i for i, _ in rows], bitmask.mask[[r for _, r in rows]])
