@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, Logprob, SamplingParams
 from pagedllm.sequence import Sequence
 
 TOL = 1e-4
@@ -59,6 +59,7 @@ def check_against(ref: torch.Tensor, prompt: list[int], got, k: int, tokenizer=N
         top_ranks = sorted(v.rank for t, v in d.items() if t in set(top.indices.tolist()))
         assert top_ranks == list(range(1, k + 1))
         for t, v in d.items():
+            assert isinstance(v, Logprob)
             assert abs(v.logprob - row[t].item()) < TOL
             if tokenizer is not None:
                 assert v.decoded_token == tokenizer.decode([t])
