@@ -2,6 +2,7 @@
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.entrypoints.llm import LLM
+from pagedllm.logprobs import Logprob
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

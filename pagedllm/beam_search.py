@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.logprobs import Logprob
+
 
 @dataclass
 class BeamSearchParams:
@@ -57,7 +59,7 @@ class BeamSearchSequence:
     generated text (without that EOS), ``cum_logprob`` the sum of the generated tokens' logprobs."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None  # "stop" (EOS) or "length"
@@ -101,19 +103,23 @@ class BeamSearchState:
         self.num_generated = 0
         self.done = False
         # Finished hypotheses, best first, each with the tokens / logprobs it generated.
-        self.finished: list[tuple[Hypothesis, list[int], list[dict[int, float]]]] = []
+        self.finished: list[tuple[Hypothesis, list[int], list[dict[int, Logprob]]]] = []
 
     def step(
         self,
-        beams: list[tuple[float, dict[int, float]]],
-        histories: list[tuple[list[int], list[dict[int, float]]]],
+        beams: list[tuple[float, dict[int, Logprob]]],
+        histories: list[tuple[list[int], list[dict[int, Logprob]]]],
     ) -> list[Candidate]:
         """One step. ``beams``: per live beam, (cumulative logprob, its top candidates token ->
         logprob); ``histories``: per live beam, (generated tokens, their logprob dicts) so far.
         Returns the next beams (best first); sets ``done`` when the search is over."""
         p = self.params
         width = p.beam_width
-        cands = [Candidate(b, tok, lp, cum + lp) for b, (cum, top) in enumerate(beams) for tok, lp in top.items()]
+        cands = [
+            Candidate(b, tok, lp.logprob, cum + lp.logprob)
+            for b, (cum, top) in enumerate(beams)
+            for tok, lp in top.items()
+        ]
         # Best first; ties by beam then token, like topk over the flattened (beam, vocab) scores.
         cands.sort(key=lambda c: (-c.cum_logprob, c.beam, c.token))
         cands = cands[: self.num_candidates]

@@ -45,6 +45,10 @@ class EngineConfig:
     # Runtime
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     attention_backend: str = "auto"  # "auto": compiled CPU kernels when they build; "torch": reference
+    # Requests
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: no cap.
+    # A request's -1 (the whole vocabulary) counts as the vocabulary size, as in vLLM.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
@@ -75,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}.")
         if not self.swap_space_gib >= 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib!r}.")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (no cap), got {self.max_logprobs!r}.")
         if self.num_swap_blocks is not None and (not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
             raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}.")
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One dict per generated token: token id -> logprob, holding the chosen token and the top-N.
-SampleLogprobs = list[dict[int, float]]
-# One entry per prompt token (SamplingParams.prompt_logprobs): None for the first, which nothing
-# predicts; then token id -> logprob of that position's prompt token and the top-N, given the
-# prompt before it.
-PromptLogprobs = list[dict[int, float] | None]
+from pagedllm.logprobs import Logprob, PromptLogprobs, SampleLogprobs
+
+__all__ = ["CompletionOutput", "Logprob", "PromptLogprobs", "RequestOutput", "SampleLogprobs"]
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Turns the last-position logits of each sampling sequence into next tokens (+ logprobs).
 
-Order as in vLLM: the structured-output mask, penalties, min_tokens masking, then greedy argmax
-or temperature -> top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw
-distribution (before the mask: what the model thinks of each token, not what it was allowed).
+Order as in vLLM: the structured-output mask, token controls (allowed_token_ids, bad_words,
+logit_bias: token_controls.py), penalties, min_tokens masking, then greedy argmax or temperature
+-> top-k -> top-p -> min-p -> random draw. Logprobs are those of the model's raw distribution
+(before the mask: what the model thinks of each token, not what it was allowed).
 Random draws use the exponential-race trick (argmax p / Exp(1)), with a per-sequence
 generator when the sequence has a seed, so its tokens do not depend on its batch.
 """
@@ -16,7 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagedllm.logprobs import Logprob, logprob_dicts
 from pagedllm.runner.seq_state import SeqState
+from pagedllm.token_controls import apply_token_controls, needs_token_controls
 
 
 @dataclass
@@ -24,7 +27,7 @@ class SamplerOutput:
     token_ids: list[int]
     # log p(token) under the raw model distribution; None for every row when no row needs logprobs
     chosen_logprobs: list[float | None]
-    top_logprobs: list[dict[int, float] | None]  # per row: token id -> logprob (chosen + top-N)
+    top_logprobs: list[dict[int, Logprob] | None]  # per row: the chosen token, then the top-N
 
     @classmethod
     def of_tokens(cls, ids: list[int]) -> SamplerOutput:
@@ -64,12 +67,15 @@ class Sampler:
             return SamplerOutput.of_tokens(self._greedy(logits).tolist())
         want_logprobs = any(r.needs_logprobs for r in requests)
         penalties = _needs_penalties(requests)
+        controls = needs_token_controls(requests)
         logits = logits.float()
-        processed = logits.clone() if penalties or allowed is not None else logits
+        processed = logits.clone() if penalties or controls or allowed is not None else logits
         if allowed is not None:
             allowed.apply(processed)
+        if controls:
+            apply_token_controls(processed, requests)
         if penalties:
-            processed = self._apply_penalties(processed, requests)
+            self._apply_penalties(processed, requests)
         token_ids = self._choose(processed, requests)
         if not want_logprobs:
             return SamplerOutput.of_tokens(token_ids.tolist())
@@ -81,26 +87,20 @@ class Sampler:
         chosen = (scored.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
         ids = token_ids.tolist()
         chosen_l = chosen.tolist()
-        top: list[dict[int, float] | None] = []
-        for i, r in enumerate(requests):
-            n = r.sampling_params.logprobs
-            if n is None:
-                top.append(None)
-                continue
-            d = {ids[i]: chosen_l[i]}
-            if n > 0:
-                # More than the vocabulary asked for: return them all (topk would raise mid-step).
-                vals, idx = scored[i].topk(min(n, scored.shape[1]))
-                vals = vals - lse[i]
-                for t, v in zip(idx.tolist(), vals.tolist(), strict=True):
-                    d.setdefault(t, v)
-            top.append(d)
+        top: list[dict[int, Logprob] | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if rows:
+            sel = torch.tensor(rows, dtype=torch.long)
+            ks = [requests[i].sampling_params.logprobs for i in rows]
+            dicts = logprob_dicts(scored[sel], lse[sel], [ids[i] for i in rows], ks)
+            for i, d in zip(rows, dicts, strict=True):
+                top[i] = d
         return SamplerOutput(ids, chosen_l, top)
 
     @staticmethod
     def argmax_only(requests: list[SeqState]) -> bool:
         """Whether this step's samples are the argmax of the logits and nothing else: every sequence
-        greedy, no logprobs, no penalties. Then the model may hand over token ids
+        greedy, no logprobs, no penalties, no token controls. Then the model may hand over token ids
         (LlamaForCausalLM.greedy_tokens) instead of logits."""
         return _greedy_without_extras(requests)
 
@@ -171,6 +171,7 @@ def _greedy_without_extras(requests: list[SeqState]) -> bool:
     return (
         not any(r.needs_logprobs for r in requests)
         and not _needs_penalties(requests)
+        and not needs_token_controls(requests)
         and all(r.sampling_params.greedy for r in requests)
     )
 

@@ -18,6 +18,8 @@ MAX_TEMPERATURE = 2.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 1000.0
 # Integer fields end up in int32/int64 tensors and loops; anything larger is a mistake or an attack.
 MAX_INT_FIELD = 2**31 - 1
+# OpenAI's range for logit_bias values: -100 bans a token in practice, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
 
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxlist, _REPR.maxother = 40, 6, 40
@@ -31,6 +33,13 @@ class SamplingParams:
     presence/frequency penalties count generated tokens only; repetition_penalty (HF/CTRL style)
     counts prompt and generated tokens. ``seed`` makes one request reproducible whatever else is
     in the batch.
+
+    ``logprobs`` / ``prompt_logprobs``: how many top tokens per position besides the chosen (or
+    prompt) token; -1 means the whole vocabulary. The engine caps both at its ``max_logprobs``.
+    Token controls, applied to the logits before the penalties (vLLM's order): ``allowed_token_ids``
+    (every other token is masked), ``bad_words`` (see pagedllm/token_controls.py) and
+    ``logit_bias`` (token id -> value in [-100, 100] added to its logit). ``truncate_prompt_tokens``
+    keeps the prompt's last k tokens (-1: the last max_model_len).
     """
 
     n: int = 1
@@ -58,11 +67,17 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's earlier name for structured_outputs (its GuidedDecodingParams): moved there.
     guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False, compare=False)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine: token ids that end generation besides stop_token_ids (the model's EOS).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
     # Set by beam search: logprobs are reported for the distribution scaled by this temperature
     # (its candidates are scored by them); 1.0 is the raw model distribution.
     logprob_temperature: float = field(default=1.0, repr=False, compare=False)
+    # Filled by the engine from bad_words and its tokenizer: the token sequences to ban.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -72,6 +87,14 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif isinstance(self.bad_words, (list, tuple)):
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         if self.guided_decoding is not None:
@@ -123,22 +146,53 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_INT_FIELD):
-            raise bad("logprobs", "must be an integer >= 0")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not -1 <= self.logprobs <= MAX_INT_FIELD):
+            raise bad("logprobs", "must be an integer >= 0, or -1 (the whole vocabulary)")
         if self.prompt_logprobs is not None and (
-            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_INT_FIELD
+            not is_int(self.prompt_logprobs) or not -1 <= self.prompt_logprobs <= MAX_INT_FIELD
         ):
-            raise bad("prompt_logprobs", "must be an integer >= 0")
+            raise bad("prompt_logprobs", "must be an integer >= 0, or -1 (the whole vocabulary)")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not is_int(t) or not 0 <= t <= MAX_INT_FIELD for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        self._verify_token_controls(bad, is_int)
+
+    def _verify_token_controls(self, bad, is_int) -> None:
+        """Shapes and ranges; token ids against the vocabulary are the engine's to check."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for t, v in self.logit_bias.items():
+                if not is_int(t) or not 0 <= t <= MAX_INT_FIELD:
+                    raise bad("logit_bias", "keys must be token ids (non-negative integers)")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if any(not is_int(t) or not 0 <= t <= MAX_INT_FIELD for t in ids):
+                raise bad("allowed_token_ids", "must be token ids (non-negative integers)")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words
+            ):
+                raise bad("bad_words", "must be a list of non-blank strings")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not is_int(k) or not (k == -1 or 1 <= k <= MAX_INT_FIELD)):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (the last max_model_len tokens)")
 
     @property
     def needs_logprobs(self) -> bool:
         """Whether sampled tokens' logprobs are computed: asked for, or needed to rank best_of > n
         candidates. Otherwise, as in vLLM, cumulative_logprob is None."""
         return self.logprobs is not None or (self.best_of or self.n) > self.n
+
+    @property
+    def has_token_controls(self) -> bool:
+        """Whether the sampler edits this request's logits before the penalties (token_controls.py)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +209,12 @@ class SamplingParams:
         c.stop = list(self.stop)
         c.stop_token_ids = list(self.stop_token_ids)
         c.all_stop_token_ids = set(self.all_stop_token_ids)
+        if self.logit_bias is not None:
+            c.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            c.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            c.bad_words = list(self.bad_words)
         return c
 
 

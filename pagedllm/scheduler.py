@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.kv.base import KVCacheManager
+from pagedllm.logprobs import Logprob
 from pagedllm.scheduler_output import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 from pagedllm.sequence import Sequence, SequenceStatus
 from pagedllm.stop import check_stop
@@ -47,7 +48,7 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprob: float | None
-    top_logprobs: dict[int, float] | None
+    top_logprobs: dict[int, Logprob] | None
     appended: bool  # False for a sequence whose owner appends (it is idle now)
     finished: SequenceStatus | None  # set when the token ended the sequence
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagedllm.kv.base import BlockOp
+from pagedllm.logprobs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -81,7 +82,7 @@ class PromptLogprobsChunk(NamedTuple):
     """Prompt logprobs from one step: entries for prompt tokens ``first``, ``first + 1``, ..."""
 
     first: int
-    entries: list[dict[int, float]]  # token id -> logprob (that position's prompt token + top-N)
+    entries: list[dict[int, Logprob]]  # that position's prompt token, then the top-N
 
 
 @dataclass
@@ -93,7 +94,7 @@ class ModelRunnerOutput:
     token_ids: list[int]
     # log p(token) under the raw model distribution; None where not asked for
     logprobs: list[float | None]
-    top_logprobs: list[dict[int, float] | None]  # token id -> logprob (chosen + top-N)
+    top_logprobs: list[dict[int, Logprob] | None]  # the chosen token, then the top-N
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     @classmethod

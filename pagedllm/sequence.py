@@ -12,6 +12,7 @@ import hashlib
 import time
 from typing import TYPE_CHECKING
 
+from pagedllm.logprobs import Logprob, PromptLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,9 +84,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         # SamplingParams.prompt_logprobs: one entry per prompt token so far (None for the first),
         # filled from the runner's outputs as the prompt's chunks run.
-        self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None
-        )
+        self.prompt_logprobs: PromptLogprobs | None = [None] if sampling_params.prompt_logprobs is not None else None
         self.num_preemptions = 0
         # SamplingParams.structured_outputs: the matcher of its output (advanced as tokens append).
         self.grammar: GrammarState | None = None
@@ -143,7 +142,7 @@ class Sequence:
         model (no prefix-cache hits), since the logprobs come from each position's logits."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
-    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, Logprob]]) -> None:
         """Entries for prompt tokens ``first``, ``first + 1``, ... from one step. A prompt run
         again (preempted by recompute) gives entries already held: those are kept."""
         if self.prompt_logprobs is None:

@@ -58,6 +58,9 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    # Passed to the tokenizer's decode, as vLLM does: slow (Python) tokenizers put a space around
+    # added and special tokens when True; fast tokenizers' decode has no such option and ignores it.
+    spaces_between_special_tokens: bool = True
     text: str = ""
     _ids: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
@@ -67,7 +70,11 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Appends a token; returns the stop string if one now appears (text is then final).
@@ -103,3 +110,28 @@ class IncrementalDetokenizer:
         if finished or not self.stop:
             return len(self.text)
         return max(0, len(self.text) - self._max_stop_len + 1)
+
+
+class TokenTexts:
+    """Each token id's own text, as Logprob.decoded_token gives it: decoded alone, special tokens
+    included (an EOS among the top-N shows as itself). Cached: the same few thousand tokens come
+    up again and again in top-N lists."""
+
+    def __init__(self, tokenizer: Any, max_cached: int = 65536) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+        self._max_cached = max_cached
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < self._max_cached:
+                self._cache[token_id] = s
+        return s
+
+    def fill(self, logprobs: dict | None) -> None:
+        """Sets decoded_token on one position's Logprobs (token id -> Logprob)."""
+        if logprobs:
+            for t, lp in logprobs.items():
+                lp.decoded_token = self(t)

@@ -44,7 +44,7 @@ def assert_greedy_matches_transformers(model_dir: str) -> list:
     for (ref_toks, ref_lp), out in zip(ref, outs, strict=True):
         comp = out.outputs[0]
         assert comp.token_ids == ref_toks
-        ours = [lp[t] for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
+        ours = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
         assert max(abs(a - b) for a, b in zip(ours, ref_lp, strict=True)) < 1e-4
     return outs
 

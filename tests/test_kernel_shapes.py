@@ -125,7 +125,7 @@ def _assert_same_greedy(fast: list, ref: list, exact: bool) -> int:
             compared += len(a.token_ids)
             continue
         for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
-            top = sorted(b.logprobs[i].values(), reverse=True)
+            top = sorted((e.logprob for e in b.logprobs[i].values()), reverse=True)
             if x != y:
                 assert top[0] - top[1] < 0.1, f"diverged at step {i} without a near-tie: {top}"
                 break

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, Logprob, SamplingParams
 from pagedllm.sequence import Sequence
 
 TOL = 1e-4
@@ -37,17 +37,32 @@ def hf_logprobs(model_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)[:-1] for p in prompts]
 
 
-def check_against(ref: torch.Tensor, prompt: list[int], got, k: int) -> None:
+def rank_range(row: torch.Tensor, logprob: float) -> tuple[int, int]:
+    """The ranks a token of this logprob may have in the reference row, given TOL of rounding."""
+    return int((row > logprob + TOL).sum()) + 1, int((row > logprob - TOL).sum()) + 1
+
+
+def check_against(ref: torch.Tensor, prompt: list[int], got, k: int, tokenizer=None) -> None:
+    """vLLM's shape: None, then {token id: Logprob} per prompt token, the prompt token's own rank
+    and the top-k's ranks 1..k; decoded_token the token's text when ``tokenizer`` is given."""
     assert len(got) == len(prompt)
     assert got[0] is None
     for j in range(1, len(prompt)):
         row, d = ref[j - 1], got[j]
         assert prompt[j] in d  # the actual prompt token is always there
-        assert abs(d[prompt[j]] - row[prompt[j]].item()) < TOL, (j, d[prompt[j]], row[prompt[j]].item())
+        mine = d[prompt[j]]
+        assert abs(mine.logprob - row[prompt[j]].item()) < TOL, (j, mine, row[prompt[j]].item())
+        lo, hi = rank_range(row, row[prompt[j]].item())
+        assert lo <= mine.rank <= hi, (j, mine.rank, lo, hi)
         top = row.topk(k)
         assert set(d) == set(top.indices.tolist()) | {prompt[j]}
+        top_ranks = sorted(v.rank for t, v in d.items() if t in set(top.indices.tolist()))
+        assert top_ranks == list(range(1, k + 1))
         for t, v in d.items():
-            assert abs(v - row[t].item()) < TOL
+            assert isinstance(v, Logprob)
+            assert abs(v.logprob - row[t].item()) < TOL
+            if tokenizer is not None:
+                assert v.decoded_token == tokenizer.decode([t])
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +78,7 @@ def test_prompt_logprobs_match_transformers(tiny_model_dirs, reference, family):
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, ref, out in zip(prompts, refs[family], outs, strict=True):
-        check_against(ref, p, out.prompt_logprobs, 3)
+        check_against(ref, p, out.prompt_logprobs, 3, llm.get_tokenizer())
 
 
 def test_prompt_logprobs_zero_is_the_prompt_token_only(tiny_llama, reference):
@@ -78,7 +93,7 @@ def test_prompt_logprobs_zero_is_the_prompt_token_only(tiny_llama, reference):
         assert out.prompt_logprobs[0] is None
         for j in range(1, len(p)):
             assert list(out.prompt_logprobs[j]) == [p[j]]
-            assert abs(out.prompt_logprobs[j][p[j]] - ref[j - 1, p[j]].item()) < TOL
+            assert abs(out.prompt_logprobs[j][p[j]].logprob - ref[j - 1, p[j]].item()) < TOL
     # a request without it gets none, as in vLLM
     plain = llm.generate({"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert plain.prompt_logprobs is None
@@ -110,7 +125,7 @@ def test_chunked_prefill_prefix_cache_and_batch_neighbours(tiny_llama, reference
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert da.keys() == db.keys()
-            assert max(abs(da[t] - db[t]) for t in da) < TOL
+            assert max(abs(da[t].logprob - db[t].logprob) for t in da) < TOL
 
 
 def test_preemption_mid_prompt_keeps_prompt_logprobs(tiny_llama, monkeypatch):
@@ -145,10 +160,32 @@ def test_parallel_sampling_reports_the_prompt_once(tiny_llama, reference):
     assert len(out.outputs) == 3
     ref = refs["llama"][6]
     for j in range(1, len(prompts[6])):
-        assert abs(out.prompt_logprobs[j][prompts[6][j]] - ref[j - 1, prompts[6][j]].item()) < TOL
+        assert abs(out.prompt_logprobs[j][prompts[6][j]].logprob - ref[j - 1, prompts[6][j]].item()) < TOL
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", 2**31])
+@pytest.mark.parametrize("bad", [-2, 1.5, True, "2", 2**31])
 def test_prompt_logprobs_must_be_a_non_negative_int(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_max_logprobs_caps_requests_and_minus_one_is_the_vocabulary(tiny_llama, reference):
+    """vLLM's rule: logprobs / prompt_logprobs above the engine's max_logprobs (default 20) are a
+    ValueError; -1 asks for the whole vocabulary and counts as its size; max_logprobs=-1: no cap."""
+    prompts, refs = reference
+    capped = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
+    for field, k in (("logprobs", 21), ("prompt_logprobs", 21), ("logprobs", -1), ("prompt_logprobs", -1)):
+        with pytest.raises(ValueError, match=f"^{field} must be at most max_logprobs \\(20"):
+            capped.generate({"prompt_token_ids": prompts[3]}, SamplingParams(**{field: k}), use_tqdm=False)
+    assert not capped.llm_engine.has_unfinished_requests()
+    capped.generate({"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=1, logprobs=20), use_tqdm=False)
+
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(model=tiny_llama, max_logprobs=-2)
+    llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, max_logprobs=-1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate({"prompt_token_ids": prompts[4]}, params, use_tqdm=False)[0]
+    check_against(refs["llama"][4], prompts[4], out.prompt_logprobs, 512)
+    for d in out.outputs[0].logprobs:
+        assert sorted(v.rank for v in d.values()) == list(range(1, 513))
+    assert params.logprobs == -1  # the caller's params are left as given

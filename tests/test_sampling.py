@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from test_prompt_logprobs import rank_range
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.runner.seq_state import SeqState
@@ -199,13 +200,17 @@ def test_logprobs_are_chosen_plus_top_n_of_raw_distribution():
     for i in range(4):
         assert out.chosen_logprobs[i] == pytest.approx(raw[i, ids[i]].item(), abs=1e-6)
     assert out.top_logprobs[0] is None
-    assert out.top_logprobs[1] == pytest.approx({ids[1]: raw[1, ids[1]].item()}, abs=1e-6)
+    assert list(out.top_logprobs[1]) == [ids[1]]
+    assert out.top_logprobs[1][ids[1]].logprob == pytest.approx(raw[1, ids[1]].item(), abs=1e-6)
     for i in (2, 3):
         d = out.top_logprobs[i]
         expected_keys = {ids[i], *raw[i].topk(3).indices.tolist()}
         assert set(d) == expected_keys and len(d) <= 4
         for t, v in d.items():
-            assert v == pytest.approx(raw[i, t].item(), abs=1e-6)
+            assert v.logprob == pytest.approx(raw[i, t].item(), abs=1e-6)
+            # rank: 1 + the tokens strictly more likely in the raw distribution
+            assert v.rank == int((raw[i] > raw[i, t]).sum()) + 1
+            assert v.decoded_token is None  # the sampler has no tokenizer: the engine fills it
     assert ids[3] not in top5 and len(out.top_logprobs[3]) == 4
 
 
@@ -515,7 +520,9 @@ def test_logprobs_match_hf(llm, hf_model, temperature):
         assert set(top3) <= set(d)
         assert set(d) <= {t, *top3}
         for tok, v in d.items():
-            assert v == pytest.approx(ref[i, tok].item(), abs=1e-4), (i, tok)
+            assert v.logprob == pytest.approx(ref[i, tok].item(), abs=1e-4), (i, tok)
+            assert rank_range(ref[i], v.logprob)[0] <= v.rank <= rank_range(ref[i], v.logprob)[1], (i, tok)
+            assert v.decoded_token == llm.get_tokenizer().decode([tok])
         if temperature == 0.0:
             assert t == top3[0]
         outside_top3 += t not in top3
@@ -548,5 +555,5 @@ def test_cumulative_logprob_only_when_logprobs_are_computed(llm):
     (with_lp,) = gen(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=8, logprobs=0))
     assert plain.cumulative_logprob is None  # as vLLM: not computed unless asked for
     assert plain.token_ids == with_lp.token_ids
-    total = sum(d[t] for t, d in zip(with_lp.token_ids, with_lp.logprobs, strict=True))
+    total = sum(d[t].logprob for t, d in zip(with_lp.token_ids, with_lp.logprobs, strict=True))
     assert with_lp.cumulative_logprob == pytest.approx(total)

@@ -73,7 +73,7 @@ def test_children_logprobs_match_teacher_forced_transformers(llm, tiny_llama):
         with torch.no_grad():
             logp = torch.log_softmax(hf(seq).logits[0].float(), dim=-1)
         ref = [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(o.token_ids)]
-        ours = [lp[t] for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
+        ours = [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
         assert max(abs(x - y) for x, y in zip(ours, ref, strict=True)) < 1e-4
 
 

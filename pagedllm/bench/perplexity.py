@@ -123,7 +123,7 @@ def perplexity(
     for w, out in zip(windows, outs, strict=True):
         lps = out.prompt_logprobs
         for j in scored_positions(context):
-            v = -lps[j][w[j]]
+            v = -lps[j][w[j]].logprob
             nll += v
             nll2 += v * v
             count += 1

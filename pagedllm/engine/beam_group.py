@@ -14,6 +14,7 @@ import itertools
 from pagedllm.beam_search import BeamSearchState
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.groups import metrics_of
+from pagedllm.logprobs import Logprob
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.scheduler import SampledToken
 from pagedllm.sequence import Sequence, SequenceStatus
@@ -41,8 +42,8 @@ class BeamGroup:
         first.reserved_seats = search.params.beam_width - 1
         self.beams: list[Sequence] = [first]  # live beams, best first
         self.cum_logprob: dict[str, float] = {first.seq_id: 0.0}
-        self.logprobs: dict[str, list[dict[int, float]]] = {first.seq_id: []}
-        self.candidates: dict[str, dict[int, float]] = {}  # beam id -> its top logprobs this step
+        self.logprobs: dict[str, list[dict[int, Logprob]]] = {first.seq_id: []}
+        self.candidates: dict[str, dict[int, Logprob]] = {}  # beam id -> its top logprobs this step
         self._ids = itertools.count(1)
         registry[first.seq_id] = self
         core.add_seq(first)

@@ -11,10 +11,11 @@ calls: ``on_sample`` after a step, ``has_output`` / ``make_output`` for what to 
 from __future__ import annotations
 
 from pagedllm.engine.core import EngineCore
+from pagedllm.logprobs import SampleLogprobs
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.scheduler import SampledToken
 from pagedllm.sequence import Sequence, SequenceStatus, child_seed
-from pagedllm.tokenizer import IncrementalDetokenizer
+from pagedllm.tokenizer import IncrementalDetokenizer, TokenTexts
 
 
 class SeqOutput:
@@ -24,7 +25,7 @@ class SeqOutput:
         self.seq = seq
         self.detokenizer = detokenizer
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] | None = [] if seq.sampling_params.logprobs is not None else None
+        self.logprobs: SampleLogprobs | None = [] if seq.sampling_params.logprobs is not None else None
 
 
 def metrics_of(seq: Sequence) -> dict[str, float]:
@@ -45,6 +46,7 @@ class SampleGroup:
         core: EngineCore,
         registry: dict[str, object],
         tokenizer,
+        token_texts: TokenTexts | None = None,
     ) -> None:
         sp = first.sampling_params
         self.request_id = request_id
@@ -52,6 +54,9 @@ class SampleGroup:
         self.core = core
         self.registry = registry
         self.tokenizer = tokenizer
+        # Logprob.decoded_token, when the request detokenizes
+        self.token_texts = token_texts if sp.detokenize else None
+        self._prompt_logprobs_decoded = False
         self.num_seqs = max(sp.n, sp.best_of or 1)
         if self.num_seqs > 1:
             first.group_id = request_id
@@ -64,7 +69,11 @@ class SampleGroup:
         detok = None
         if sp.detokenize:
             detok = IncrementalDetokenizer(
-                self.tokenizer, sp.skip_special_tokens, sp.stop, sp.include_stop_str_in_output
+                self.tokenizer,
+                sp.skip_special_tokens,
+                sp.stop,
+                sp.include_stop_str_in_output,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens,
             )
         self.registry[seq.seq_id] = self
         return SeqOutput(seq, detok)
@@ -85,6 +94,8 @@ class SampleGroup:
         if sample.logprob is not None:
             out.cumulative_logprob += sample.logprob
         if out.logprobs is not None:
+            if self.token_texts is not None:
+                self.token_texts.fill(sample.top_logprobs)
             out.logprobs.append(sample.top_logprobs)
         sp = seq.sampling_params
         # A token that ends generation (EOS, stop_token_ids) adds no text, as in vLLM, unless the
@@ -150,6 +161,11 @@ class SampleGroup:
         first = self.outputs[0].seq
         sp = first.sampling_params
         completions = [self._completion(i, o) for i, o in enumerate(self.outputs)]
+        if self.token_texts is not None and first.prompt_logprobs is not None and not self._prompt_logprobs_decoded:
+            # All in by the first sample, which comes before any output: decoded once.
+            for entry in first.prompt_logprobs:
+                self.token_texts.fill(entry)
+            self._prompt_logprobs_decoded = True
         if len(completions) > sp.n:
             # best_of: the n sequences with the highest cumulative logprob (vLLM's rule).
             completions = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))[: sp.n]

@@ -36,6 +36,32 @@ def tokenize_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int
     raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
 
 
+def check_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+    """Caps logprobs / prompt_logprobs at max_logprobs (-1: no cap) and resolves a request's -1 to
+    the whole vocabulary, as vLLM: a -1 request counts as vocab_size against the cap."""
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is None:
+            continue
+        asked = vocab_size if k == -1 else k
+        if asked > cap:
+            raise ValueError(
+                f"{name} must be at most max_logprobs ({max_logprobs}; a request's -1 means all {vocab_size} "
+                f"tokens of the vocabulary), got {k}. Raise the engine's max_logprobs to allow more."
+            )
+        setattr(params, name, asked)
+
+
+def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens ids (-1: max_model_len), or all of them."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
 def validate_prompt(
     ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, kv: KVCacheManager
 ) -> None:

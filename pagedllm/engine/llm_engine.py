@@ -18,11 +18,13 @@ from pagedllm.engine.beam_group import BeamGroup
 from pagedllm.engine.builder import build_engine
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.groups import SampleGroup
-from pagedllm.engine.intake import PromptType, tokenize_prompt, validate_prompt
+from pagedllm.engine.intake import PromptType, check_logprobs, tokenize_prompt, truncate_prompt, validate_prompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.token_controls import bad_words_token_ids, check_token_controls
+from pagedllm.tokenizer import TokenTexts
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -42,6 +44,7 @@ class LLMEngine:
         self.model = parts.model
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
+        self.token_texts = TokenTexts(parts.tokenizer)
         self.num_kv_blocks = parts.num_kv_blocks
         self.num_swap_blocks = parts.num_swap_blocks
         self.kv_manager = parts.kv_manager
@@ -67,6 +70,8 @@ class LLMEngine:
 
     def _prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         text, ids = tokenize_prompt(self.tokenizer, prompt)
+        # Sliced here, never by setting truncation on the tokenizer: it is shared across threads.
+        ids = truncate_prompt(ids, params, self.max_model_len)
         validate_prompt(ids, params, self.vocab_size, self.max_model_len, self.kv_manager)
         return text, ids
 
@@ -80,6 +85,10 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError (nothing queued) if it can never run."""
         params = (params or SamplingParams()).clone()
         request_id = self._new_request_id(request_id)
+        check_logprobs(params, self.vocab_size, self.config.max_logprobs)
+        check_token_controls(params, self.vocab_size)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text, ids = self._prompt(prompt, params)
         params.all_stop_token_ids = set(self.eos_token_ids)
         num_seqs = max(params.n, params.best_of or 1)
@@ -93,7 +102,9 @@ class LLMEngine:
         first = Sequence(request_id, ids, params, arrival_time=arrival_time)
         if params.structured_outputs is not None:
             first.grammar = self.structured.new_state(params.structured_outputs)
-        self._groups[request_id] = SampleGroup(request_id, text, first, self.core, self._group_of, self.tokenizer)
+        self._groups[request_id] = SampleGroup(
+            request_id, text, first, self.core, self._group_of, self.tokenizer, self.token_texts
+        )
         return request_id
 
     def add_beam_search_request(

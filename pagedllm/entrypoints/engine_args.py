@@ -24,6 +24,7 @@ _HELP = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
     "num_threads": "torch intra-op threads",
+    "max_logprobs": "most logprobs / prompt_logprobs a request may ask for (default 20); -1: no cap",
 }
 
 

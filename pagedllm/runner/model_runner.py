@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.logprobs import Logprob, logprob_dicts
 from pagedllm.runner.block_table import BlockTables
 from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.runner.seq_state import SeqState
@@ -114,24 +115,13 @@ class ModelRunner:
         for run in runs:
             k = run.state.sampling_params.prompt_logprobs or 0
             p0 = run.position + 1  # the prompt token its first row predicts
-            entries: list[dict[int, float]] = []
+            entries: list[dict[int, Logprob]] = []
             for a in range(0, run.count, PROMPT_LOGPROBS_ROWS):
                 b = min(a + PROMPT_LOGPROBS_ROWS, run.count)
                 logits = self.model.compute_logits(hidden[run.row + a : run.row + b]).float().cpu()
                 lse = torch.logsumexp(logits, dim=-1, keepdim=True)
                 targets = run.state.all_token_ids[p0 + a : p0 + b]
-                chosen = (logits.gather(1, torch.tensor(targets).unsqueeze(1)) - lse).squeeze(1).tolist()
-                if k == 0:
-                    entries.extend({t: v} for t, v in zip(targets, chosen, strict=True))
-                    continue
-                # More than the vocabulary asked for: all of it (topk would raise mid-step).
-                vals, idx = logits.topk(min(k, logits.shape[1]), dim=-1)
-                vals = (vals - lse).tolist()
-                for t, v, ids, vs in zip(targets, chosen, idx.tolist(), vals, strict=True):
-                    d = {t: v}
-                    for i, x in zip(ids, vs, strict=True):
-                        d.setdefault(i, x)
-                    entries.append(d)
+                entries.extend(logprob_dicts(logits, lse, targets, [k] * len(targets)))
             out[run.state.seq_id] = PromptLogprobsChunk(p0, entries)
         return out
 

@@ -262,6 +262,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # only when the request asks for them
 
 
 def _generation_ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

@@ -22,7 +22,6 @@ from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 5 (completions) / 20 (chat)
 MAX_N = 128
 MAX_JSON_DEPTH = 32  # deeper nesting than any real request has (chat_template_kwargs is free-form)
 
@@ -125,6 +124,15 @@ class _SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = 0
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    spaces_between_special_tokens: bool | None = True
+    # Token controls (vLLM's extras but logit_bias, OpenAI's: token id string -> bias in [-100, 100])
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM's extra parameter: prompt_logprobs (None, then one dict per prompt token); on a
+    # completions choice, or on the chat response
+    prompt_logprobs: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a self-hosted server has no abuse tracking
@@ -148,8 +156,6 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
-    # vLLM's extra parameter: each choice gets "prompt_logprobs" (None, then one dict per prompt token)
-    prompt_logprobs: int | None = None
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -199,14 +205,9 @@ def to_sampling_params(
 ) -> SamplingParams:
     """Builds SamplingParams; omitted (None) fields keep SamplingParams' (vLLM's) defaults.
 
-    Raises APIError(400) naming the bad field.
+    Raises APIError(400) naming the bad field. How many logprobs a request may ask for is the
+    engine's max_logprobs, checked when the request is added.
     """
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", param="logprobs")
-    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-        raise APIError(
-            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}.", param="prompt_logprobs"
-        )
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {n}.", param="n")
@@ -237,6 +238,11 @@ def to_sampling_params(
         "min_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "logit_bias": _logit_bias(req.logit_bias),
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
     }
     # max_tokens=None is meaningful (the rest of the context); every other None means "default".
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("max_tokens", "logprobs", "best_of")}
@@ -244,6 +250,21 @@ def to_sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         raise error_from_value_error(e, _FIELDS) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if bias is None:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise APIError(
+                f"logit_bias keys must be token ids (integers as strings), got {_short(k)}.", param="logit_bias"
+            ) from None
+    return out
 
 
 def validation_error_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.engine.intake import truncate_prompt
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.streaming import (
     merge_streams,
     sse,
 )
+from pagedllm.logprobs import Logprob
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -75,18 +77,21 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs and not req.logprobs:
             raise APIError("When using top_logprobs, logprobs must be set to true.", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        top = self.num_top(logprobs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if len(req.messages) > self.limits.max_messages:
             raise APIError(
                 f"messages has {len(req.messages)} messages; at most {self.limits.max_messages} are allowed.",
                 param="messages",
             )
-        params = to_sampling_params(req, max_tokens, logprobs)
+        params = to_sampling_params(req, max_tokens, logprobs, prompt_logprobs=req.prompt_logprobs)
         self.check_limits(req, 1)
         messages = [_message_dict(m) for m in req.messages]
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
         prompt = await self.in_tokenizer_thread(self._render, messages, req.add_generation_prompt is not False, kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # The engine would slice the same; here too, so the streamed usage counts what runs.
+        prompt["prompt_token_ids"] = truncate_prompt(prompt["prompt_token_ids"], params, self.max_model_len)
         self.check_request_tokens([prompt], params)
         streams = await self.add_requests(request_id, [prompt], params, arrival)
         if req.stream:
@@ -102,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
             completion_tokens += len(c.token_ids)
             lp = None
             if logprobs is not None and c.logprobs is not None:
-                lp = {"content": self._logprobs(c.token_ids, c.logprobs, logprobs)}
+                lp = {"content": self._logprobs(c.token_ids, c.logprobs, top)}
             choices.append(
                 {
                     "index": rank,
@@ -112,16 +117,17 @@ class OpenAIServingChat(OpenAIServing):
                     "stop_reason": c.stop_reason,
                 }
             )
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": choices,
-                "usage": self.usage(len(out.prompt_token_ids), completion_tokens),
-            }
-        )
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(len(out.prompt_token_ids), completion_tokens),
+        }
+        if req.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
+        return JSONResponse(body)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> dict:
         """Chat template -> text -> ids. No special tokens are added: the template has them (BOS...)."""
@@ -139,15 +145,16 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("Could not apply the chat template to these messages.", param="messages") from e
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> list[dict]:
-        """Chat-shaped logprobs: one entry per token, each with its top alternatives."""
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int) -> list[dict]:
+        """OpenAI's chat logprobs: per token {token, logprob, bytes, top_logprobs: [{token, logprob,
+        bytes}, ...]} (the top ``top``, best first)."""
         entries = []
         for t, lp in zip(token_ids, logprobs, strict=False):
             s = self.token_str(t)
             entries.append(
                 {
                     "token": s,
-                    "logprob": self.logprob(lp.get(t, -9999.0)),
+                    "logprob": self.token_logprob(lp, t),
                     "bytes": list(s.encode("utf-8")),
                     "top_logprobs": [
                         {
@@ -175,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens: dict[int, int] = {}
         usage_null = {"usage": None} if req.include_usage else {}
         want_lp = bool(req.logprobs)
-        top = req.top_logprobs or 0
+        top = self.num_top(req.top_logprobs or 0)
 
         chunk = chunk_writer(request_id, "chat.completion.chunk", created, model)
 

@@ -17,8 +17,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.engine.intake import truncate_prompt
 from pagedllm.entrypoints.openai.protocol import APIError, CompletionRequest, to_sampling_params
-from pagedllm.entrypoints.openai.serving_engine import _LOGPROB_FLOOR, OpenAIServing
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.streaming import (
     AbortOnCloseStreamingResponse,
     ClientDisconnected,
@@ -28,6 +29,8 @@ from pagedllm.entrypoints.openai.streaming import (
     merge_streams,
     sse,
 )
+from pagedllm.logprobs import Logprob
+from pagedllm.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -40,16 +43,20 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with logprobs: the prompt's tokens lead the logprobs too (OpenAI's legacy API).
         prompt_k = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
-            prompt_k = max(prompt_k or 0, req.logprobs)
-        params = to_sampling_params(req, req.max_tokens, req.logprobs, req.best_of, prompt_k)
+            prompt_k = -1 if -1 in (prompt_k, req.logprobs) else max(prompt_k or 0, req.logprobs)
+        # echo with max_tokens 0 (as vLLM): the prompt and its logprobs alone, nothing generated
+        # (scoring a text, as lm-eval's loglikelihood does). The engine samples one token, unshown.
+        max_tokens = 1 if self._echo_only(req) else req.max_tokens
+        params = to_sampling_params(req, max_tokens, req.logprobs, req.best_of, prompt_k)
         self.check_limits(req, len(prompts), req.best_of)
-        engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo))
+        engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo), params)
         self.check_request_tokens(engine_prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.add_requests(request_id, engine_prompts, params, arrival)
         n = params.n
+        top = self.num_top(req.logprobs)
         if req.stream:
-            gen = self._stream(req, request_id, model, streams, engine_prompts, n)
+            gen = self._stream(req, request_id, model, streams, engine_prompts, n, top)
             return AbortOnCloseStreamingResponse(gen, streams)
         try:
             finals = await self.collect(streams, raw_request)
@@ -61,13 +68,16 @@ class OpenAIServingCompletion(OpenAIServing):
             # The engine's order: sequence order, or best first when best_of > n (whose indices
             # are then sequence ids, not 0..n-1): OpenAI numbers the n choices of a prompt 0..n-1.
             for rank, c in enumerate(out.outputs):
-                completion_tokens += len(c.token_ids)
-                text = (engine_prompts[i]["prompt"] + c.text) if req.echo else c.text
+                shown_ids, shown_lps, shown_text = c.token_ids, c.logprobs, c.text
+                if self._echo_only(req):
+                    shown_ids, shown_lps, shown_text = [], [], ""
+                completion_tokens += len(shown_ids)
+                text = (engine_prompts[i]["prompt"] + shown_text) if req.echo else shown_text
                 logprobs = None
-                if req.logprobs is not None and c.logprobs is not None:
-                    head = self._echo_logprobs(req, out) if req.echo else None
+                if req.logprobs is not None and shown_lps is not None:
+                    head = self._echo_logprobs(out, top) if req.echo else None
                     offset = head["text_offset_end"] if head else 0
-                    logprobs = _join(head, self._logprobs(c.token_ids, c.logprobs, req.logprobs, offset))
+                    logprobs = _join(head, self._logprobs(shown_ids, shown_lps, top, offset))
                 choice = {
                     "index": i * n + rank,
                     "text": text,
@@ -76,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "stop_reason": c.stop_reason,
                 }
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
+                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return JSONResponse(
@@ -90,14 +100,22 @@ class OpenAIServingCompletion(OpenAIServing):
             }
         )
 
-    def _prepare_prompts(self, prompts: list[str | list[int]], echo: bool) -> list[dict]:
-        """Engine prompt dicts; token ids are computed here so the engine thread need not tokenize."""
+    @staticmethod
+    def _echo_only(req: CompletionRequest) -> bool:
+        return bool(req.echo) and req.max_tokens == 0
+
+    def _prepare_prompts(self, prompts: list[str | list[int]], echo: bool, params: SamplingParams) -> list[dict]:
+        """Engine prompt dicts; token ids are computed here so the engine thread need not tokenize.
+        truncate_prompt_tokens is applied here too (the engine would slice the same ids), so that
+        echo and the usage show the prompt the engine runs."""
         out = []
         for p in prompts:
-            if isinstance(p, str):
+            if isinstance(p, str) and params.truncate_prompt_tokens is None:
                 out.append({"prompt": p, "prompt_token_ids": self.encode(p)})
             else:
-                d: dict[str, Any] = {"prompt_token_ids": p}
+                ids = self.encode(p) if isinstance(p, str) else p
+                d: dict[str, Any] = {"prompt_token_ids": truncate_prompt(ids, params, self.max_model_len)}
+                p = d["prompt_token_ids"]
                 if echo:
                     try:
                         d["prompt"] = self.tokenizer.decode(p)
@@ -106,10 +124,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append(d)
         return out
 
-    def _echo_logprobs(self, req: CompletionRequest, out) -> dict:
+    def _echo_logprobs(self, out, top: int) -> dict:
         """The echoed prompt's part of the logprobs: its first token has none (null), as in OpenAI."""
         ids, plp = out.prompt_token_ids, out.prompt_logprobs or []
-        part = self._logprobs(ids[1:], plp[1:], req.logprobs, len(self.token_str(ids[0])))
+        part = self._logprobs(ids[1:], plp[1:], top, len(self.token_str(ids[0])))
         part["tokens"].insert(0, self.token_str(ids[0]))
         part["token_logprobs"].insert(0, None)
         part["top_logprobs"].insert(0, None)
@@ -117,25 +135,13 @@ class OpenAIServingCompletion(OpenAIServing):
         part["text_offset_end"] = part["text_offset"][-1] + len(part["tokens"][-1])
         return part
 
-    def _vllm_prompt_logprobs(self, out, top: int) -> list[dict | None]:
-        """vLLM's choice field: None, then per prompt token {token id: {logprob, decoded_token}} for
-        that token and the top ``top`` (no rank: the engine does not compute vocabulary ranks)."""
-        result: list[dict | None] = [None]
-        for t, lp in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [])[1:], strict=False):
-            entries = dict(self.top_entries(lp, top))
-            entries.setdefault(t, lp.get(t, _LOGPROB_FLOOR))
-            result.append(
-                {str(k): {"logprob": self.logprob(v), "decoded_token": self.token_str(k)} for k, v in entries.items()}
-            )
-        return result
-
-    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int, offset: int) -> dict:
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int, offset: int) -> dict:
         """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for t, lp in zip(token_ids, logprobs, strict=False):
             s = self.token_str(t)
             tokens.append(s)
-            token_lps.append(self.logprob(lp.get(t, _LOGPROB_FLOOR)))
+            token_lps.append(self.token_logprob(lp, t))
             tops.append({self.token_str(k): self.logprob(v) for k, v in self.top_entries(lp, top)})
             offsets.append(offset)
             offset += len(s)
@@ -149,12 +155,14 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[RequestStream],
         prompts: list[dict],
         n: int,
+        top: int,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         states: dict[int, _ChoiceState] = {}
         prompt_tokens = [len(p["prompt_token_ids"]) for p in prompts]
         completion_tokens: dict[int, int] = {}
         usage_null = {"usage": None} if req.include_usage else {}
+        echo_only = self._echo_only(req)
 
         chunk = chunk_writer(request_id, "text_completion", created, model)
 
@@ -167,11 +175,13 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     delta = c.text[st.text_len :]
                     new_ids = c.token_ids[st.num_tokens :]
+                    if echo_only:
+                        delta, new_ids = "", []
                     head = None
                     if req.echo and not st.started:
                         delta = prompts[i].get("prompt", "") + delta
                         if req.logprobs is not None:
-                            head = self._echo_logprobs(req, out)
+                            head = self._echo_logprobs(out, top)
                             st.text_offset = head["text_offset_end"]
                     finish = c.finish_reason
                     want_lp = req.logprobs is not None and c.logprobs is not None and (new_ids or head)
@@ -179,7 +189,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     logprobs = None
                     if want_lp:
-                        part = self._logprobs(new_ids, c.logprobs[st.num_tokens :], req.logprobs, st.text_offset)
+                        part = self._logprobs(new_ids, c.logprobs[st.num_tokens :][: len(new_ids)], top, st.text_offset)
                         st.text_offset += sum(len(s) for s in part["tokens"])
                         logprobs = _join(head, part)
                     st.text_len = max(st.text_len, len(c.text))
@@ -193,11 +203,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         "stop_reason": c.stop_reason if finish else None,
                     }
                     if req.prompt_logprobs is not None and not st.sent_prompt_logprobs:
-                        choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out, req.prompt_logprobs)
+                        choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
                         st.sent_prompt_logprobs = True
                     if finish is not None:
                         st.finished = True
-                        completion_tokens[idx] = len(c.token_ids)
+                        completion_tokens[idx] = 0 if echo_only else len(c.token_ids)
                     yield chunk([choice], **usage_null)
             if req.include_usage:
                 yield chunk([], usage=self.usage(sum(prompt_tokens), sum(completion_tokens.values())))

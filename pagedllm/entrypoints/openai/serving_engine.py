@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
     error_from_value_error,
 )
 from pagedllm.entrypoints.openai.streaming import ClientDisconnected, abort_all, merge_streams, sse, wait_for_disconnect
+from pagedllm.logprobs import Logprob
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class OpenAIServing:
         self.decode_tokenizer = decode_tokenizer
         self.pool = tokenizer_pool
         self.max_model_len: int = engine.engine.max_model_len
+        self.vocab_size: int = engine.engine.vocab_size
         self.limits = limits or ServerLimits()
         llm = engine.engine
         # Default: what the KV cache holds; a request needing more would only preempt itself.
@@ -99,6 +101,14 @@ class OpenAIServing:
             raise APIError(
                 f"stop strings must be at most {lim.max_stop_string_chars} characters long, got one of {longest}.",
                 param="stop",
+            )
+        # Each bad word is tokenized on the engine thread: bounded as stop strings are.
+        words = req.bad_words or []
+        if len(words) > lim.max_stop_strings or max(map(len, words), default=0) > lim.max_stop_string_chars:
+            raise APIError(
+                f"bad_words may hold at most {lim.max_stop_strings} words of at most "
+                f"{lim.max_stop_string_chars} characters.",
+                param="bad_words",
             )
         if req.stop_token_ids is not None and len(req.stop_token_ids) > lim.max_stop_token_ids:
             raise APIError(
@@ -196,9 +206,34 @@ class OpenAIServing:
     def logprob(self, v: float) -> float:
         return max(v, _LOGPROB_FLOOR) if v == v else _LOGPROB_FLOOR  # NaN -> floor
 
-    def top_entries(self, lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-        """The k most likely tokens of one position (the engine's dict also holds the chosen one)."""
-        return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    def num_top(self, k: int | None) -> int:
+        """How many top tokens a request's logprobs / prompt_logprobs show (-1: the vocabulary)."""
+        return self.vocab_size if k == -1 else (k or 0)
+
+    def token_logprob(self, lp: dict[int, Logprob], token_id: int) -> float:
+        e = lp.get(token_id)
+        return _LOGPROB_FLOOR if e is None else self.logprob(e.logprob)
+
+    def top_entries(self, lp: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+        """The k most likely tokens of one position, best first (the engine's dict also holds the
+        chosen one); k = -1: every token the dict has (the whole vocabulary)."""
+        items = sorted(((t, e.logprob) for t, e in lp.items()), key=lambda kv: -kv[1])
+        return items if k < 0 else items[:k]
+
+    def vllm_prompt_logprobs(self, out: RequestOutput, top: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs field: None, then per prompt token {token id: {logprob, rank,
+        decoded_token}} for that token and the top ``top`` (-1: all)."""
+        result: list[dict | None] = [None]
+        for t, lp in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [])[1:], strict=False):
+            keep = {k for k, _ in self.top_entries(lp, top)} | {t}
+            result.append(
+                {
+                    str(k): {"logprob": self.logprob(e.logprob), "rank": e.rank, "decoded_token": self.token_str(k)}
+                    for k, e in lp.items()
+                    if k in keep
+                }
+            )
+        return result
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
