@@ -41,6 +41,8 @@ class LLMEngine:
         self.model = parts.model
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
+        # Defaults of request fields left unset (generation_config.py); {} with generation_config="vllm"
+        self.default_sampling_params = parts.default_sampling
         self.num_kv_blocks = parts.num_kv_blocks
         self.num_swap_blocks = parts.num_swap_blocks
         self.kv_manager = parts.kv_manager
@@ -80,6 +82,10 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         text, ids = self._prompt(prompt, params)
         params.all_stop_token_ids = set(self.eos_token_ids)
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only
+            if params.stop:
+                raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True); use stop_token_ids.")
+            params.detokenize = False
         num_seqs = max(params.n, params.best_of or 1)
         if num_seqs > self.config.max_num_seqs:
             # A group runs together; more sequences than a step holds could never all run.

@@ -81,6 +81,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM's command lines: pagedllm logs no request contents anyway",
+    )
     add_engine_args(p)
     p.set_defaults(func=_serve)
     return p
