@@ -205,5 +205,6 @@ class LLMEngine:
             "num_requests_swapped": self.scheduler.num_swapped,
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
+            "iteration_tokens": dict(self.core.iteration_tokens),
             **self.stats_counters,
         }

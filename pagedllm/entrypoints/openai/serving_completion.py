@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_k = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_k = max(prompt_k or 0, req.logprobs)
-        params = to_sampling_params(req, req.max_tokens, req.logprobs, req.best_of, prompt_k)
+        params = to_sampling_params(req, req.max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling)
         self.check_limits(req, len(prompts), req.best_of)
         engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo))
         self.check_request_tokens(engine_prompts, params)
