@@ -78,11 +78,6 @@ class EngineConfig:
     # Accepted, no effect: the engine logs no periodic stats (they are on /metrics and /stats).
     disable_log_stats: bool = False
 
-    @property
-    def kv_size_given(self) -> bool:
-        """Whether the KV cache size was set explicitly (blocks or GiB), over gpu_memory_utilization."""
-        return self.num_kv_blocks is not None or self.kv_cache_memory_gib is not None
-
     def __post_init__(self) -> None:
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
             self.quantization = None

@@ -113,24 +113,22 @@ def test_unsupported_serve_flag_is_named(argv, capsys):
 def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_llama, monkeypatch):
     from pagedllm import memory_budget
 
-    held = memory_budget.process_resident_bytes()
-    # A "machine" on which the fraction leaves this process 8 MiB more than it holds now
-    # (plus what loading the model adds, which the budget subtracts again).
-    total = held + 64 * 2**20
-    monkeypatch.setattr(memory_budget, "host_total_bytes", lambda: total)
-    llm = LLM(model=tiny_llama, dtype="float32", gpu_memory_utilization=1.0)
+    # A 1 GiB machine on which the process holds 0.75 GiB after loading: half of it is 0.5 GiB,
+    # already used up; 0.8 of it leaves ~0.05 GiB for the KV cache.
+    gib = 2**30
+    monkeypatch.setattr(memory_budget, "host_total_bytes", lambda: gib)
+    monkeypatch.setattr(memory_budget, "process_resident_bytes", lambda: 3 * gib // 4)
+    monkeypatch.setattr(memory_budget, "host_available_bytes", lambda: gib)
+    llm = LLM(model=tiny_llama, dtype="float32", gpu_memory_utilization=0.8)
     engine = llm.llm_engine
-    kv_bytes = engine.num_kv_blocks * _bytes_per_block(engine)
-    assert 0 < kv_bytes <= 64 * 2**20
+    per_block = _bytes_per_block(engine)
+    budget = int(0.8 * gib) - 3 * gib // 4
+    assert engine.num_kv_blocks == budget // per_block
     # explicit sizes win over the fraction
-    llm = LLM(model=tiny_llama, dtype="float32", gpu_memory_utilization=1.0, num_kv_blocks=8)
+    llm = LLM(model=tiny_llama, dtype="float32", gpu_memory_utilization=0.8, num_kv_blocks=8)
     assert llm.llm_engine.num_kv_blocks == 8
-
-
-def test_gpu_memory_utilization_below_the_model_is_a_clear_error(tiny_llama, monkeypatch):
-    from pagedllm import memory_budget
-
-    monkeypatch.setattr(memory_budget, "host_total_bytes", lambda: 2**20)
+    llm = LLM(model=tiny_llama, dtype="float32", gpu_memory_utilization=0.8, kv_cache_memory_gib=0.001)
+    assert llm.llm_engine.num_kv_blocks == int(0.001 * gib) // per_block
     with pytest.raises(ValueError, match="leaves nothing for the KV cache"):
         LLM(model=tiny_llama, dtype="float32", gpu_memory_utilization=0.5)
 
