@@ -354,7 +354,7 @@ def build_app(
     metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=llm.max_model_len)
     if not metrics.cache_config:
         metrics.cache_config = cache_config_info(llm)
-    if engine.output_hook is None:
+    if engine.output_hook is None:  # latencies and token counts per output (run_server sets it first)
         engine.output_hook = metrics.observe_output
     tok_path = llm.config.tokenizer or llm.model_path
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
@@ -521,7 +521,9 @@ def run_server(args: argparse.Namespace) -> int:
         # Nothing else guards a keyless loopback server from a browser page's DNS rebinding.
         allowed_hosts = [*LOOPBACK_HOSTS, args.host]
     engine = AsyncLLMEngine.from_config(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    # Built after the engine: its token-count histograms' buckets end at the model's context.
     metrics = ServerMetrics(names[0], prefix=args.metrics_prefix, max_model_len=engine.engine.max_model_len)
+    engine.output_hook = metrics.observe_output
     engine.max_step_failures = args.max_step_failures
     limits = ServerLimits(
         max_prompts_per_request=args.max_prompts_per_request,
