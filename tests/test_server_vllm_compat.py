@@ -19,6 +19,8 @@ KEY = "sk-compat"
 MAX_NEW_TOKENS = 5  # the model's generation_config.json
 GEN_CONFIG = {"do_sample": True, "temperature": 0.6, "top_k": 7, "max_new_tokens": MAX_NEW_TOKENS, "eos_token_id": 0}
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+# --chat-template, inline: replaces the tokenizer's for /v1/chat/completions and /tokenize alike
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,8 @@ def server(model_dir, tmp_path_factory):
         "--swap-space",
         "1",
         "--disable-log-requests",
+        "--chat-template",
+        TEMPLATE,
     )
     yield srv
     srv.stop()
@@ -113,7 +117,8 @@ def test_tokenize_round_trip(http, tokenizer):
 
 
 def test_tokenize_messages_matches_the_chat_endpoint(http, tokenizer):
-    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, chat_template=TEMPLATE)
+    assert rendered == "<|im_start|>The quick brown fox<|im_end|>"
     r = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES})
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
