@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pagedllm.kv.contiguous import RESERVE_POLICIES
+from pagedllm.vllm_args import translate_engine_kwargs
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's (and torch's) other spellings
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_TOKENIZER_MODES = ("auto", "slow")
+DEFAULT_KV_CACHE_MEMORY_GIB = 4.0
 _KV_LAYOUTS = ("paged", "contiguous")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 _QUANTIZATIONS = ("auto", "gguf", None)
@@ -18,7 +23,20 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None
+    tokenizer_mode: str = "auto"  # "auto": the fast tokenizer where there is one; "slow": the Python one
+    # No tokenizer: prompts must be token ids, outputs carry token ids and empty text (vLLM's meaning).
+    skip_tokenizer_init: bool = False
+    # A Jinja chat template (inline, or a file path) replacing the tokenizer's, as vLLM's --chat-template.
+    chat_template: str | None = None
+    # Default sampling of requests that leave a field unset: "auto" (vLLM's default) the model's
+    # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens),
+    # "vllm" SamplingParams' own defaults, or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Accepted for vLLM's command lines, no effect: pagedllm runs its own model code for the
+    # architectures it knows and never executes code shipped with a checkpoint.
+    trust_remote_code: bool = False
     dtype: str = "auto"  # activations and KV cache; weights per `quantization`
+    kv_cache_dtype: str = "auto"  # vLLM's: only "auto" (the KV cache has the activation dtype)
     # "gguf": a GGUF model's weights stay in their quantized blocks (integer kernels). "auto": the
     # same wherever the CPU kernels build, else dequantize at load. None (CLI: none): dequantize a
     # GGUF to float32 at load.
@@ -27,8 +45,12 @@ class EngineConfig:
     seed: int = 0
     # KV cache
     block_size: int = 16
-    kv_cache_memory_gib: float = 4.0
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib when set
+    # KV cache size. Precedence: num_kv_blocks, then kv_cache_memory_gib, then gpu_memory_utilization
+    # (see memory_budget.py: the fraction of the device's memory this process may hold, model
+    # included, as in vLLM); with none set, DEFAULT_KV_CACHE_MEMORY_GIB.
+    kv_cache_memory_gib: float | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float | None = None
     kv_layout: str = "paged"
     reserve: str = "max"  # contiguous layout only: how much each request reserves at admission
     # On by default as in vLLM: measured free on a workload with no shared prefixes (200 ShareGPT
@@ -38,6 +60,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Prefills are always chunked to the step's token budget; False is accepted (outputs are the
+    # same, only how prompts are split into steps differs) with a warning at start-up.
+    enable_chunked_prefill: bool = True
     # "recompute" | "swap" | "auto" (swap n > 1 / beam groups, recompute the rest): see scheduler.py
     preemption_mode: str = "recompute"
     swap_space_gib: float = 4.0  # host-memory KV pool for swapping (allocated only if the mode can swap)
@@ -49,14 +74,38 @@ class EngineConfig:
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: no cap.
     # A request's -1 (the whole vocabulary) counts as the vocabulary size, as in vLLM.
     max_logprobs: int = 20
+    # One device only for now; vLLM's defaults (1) are accepted, more is refused.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Accepted, no effect: vLLM's switch to skip CUDA graph capture; pagedllm runs eagerly always.
+    enforce_eager: bool = False
+    # Accepted, no effect: the engine logs no periodic stats (they are on /metrics and /stats).
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.quantization, str) and self.quantization.lower() == "none":
             self.quantization = None
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}.")
+        if isinstance(self.dtype, str):
+            self.dtype = _DTYPE_ALIASES.get(self.dtype.lower(), self.dtype.lower())
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+            raise ValueError(f"dtype must be one of {(*_DTYPES, *_DTYPE_ALIASES)}, got {self.dtype!r}.")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: only 'auto' (the KV cache has the "
+                "model's activation dtype)."
+            )
+        if self.tokenizer_mode not in _TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {_TOKENIZER_MODES}, got {self.tokenizer_mode!r}.")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}.")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if v != 1:
+                raise ValueError(f"{name}={v!r} is not supported yet: pagedllm runs a model on one device (use 1).")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
@@ -86,8 +135,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """The config of ``LLM(...)``'s keyword arguments: pagedllm's fields and vLLM's names
+        (see vllm_args.py). vLLM arguments pagedllm cannot honour raise UnsupportedEngineArgument
+        (a ValueError) naming them; names neither knows raise TypeError."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}.")
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**translate_engine_kwargs(kwargs, known))  # type: ignore[arg-type]

@@ -1,14 +1,20 @@
-"""Prometheus metrics for the server, named like vLLM's (``vllm:x`` becomes ``pagedllm:x``).
+"""Prometheus metrics for the server, with vLLM's names and ``model_name`` label.
+
+The prefix is one per server: ``pagedllm:`` by default, or ``vllm:`` (``--metrics-prefix vllm``)
+so that dashboards and alerts written for vLLM read this server unchanged. Not both at once: each
+series twice would double every sum() over a fleet.
 
 Each ServerMetrics owns its own CollectorRegistry (not prometheus-client's global default), so a
 process can build several apps (tests do) without "Duplicated timeseries" errors.
 
-Two sources:
-* engine state (running/waiting requests, KV usage, counters) comes from LLMEngine.get_stats(),
-  snapshotted by the engine thread and pushed here with ``update_engine_stats`` right before a
-  scrape; a custom collector exposes it, so counters keep the engine's own cumulative values;
-* per-request latencies are observed by ``observe_output``, called in the engine thread for
-  every output (prometheus-client's metric objects are thread-safe).
+Three sources:
+* engine state (running/waiting requests, KV usage, counters, tokens per step) comes from
+  LLMEngine.get_stats(), snapshotted by the engine thread and pushed here with
+  ``update_engine_stats`` right before a scrape; a custom collector exposes it, so counters keep
+  the engine's own cumulative values;
+* per-request latencies and token counts are observed by ``observe_output``, called in the
+  engine thread for every output (prometheus-client's metric objects are thread-safe);
+* request parameters (n, max_tokens) by ``observe_params`` as a request is added.
 """
 
 from __future__ import annotations
@@ -16,12 +22,28 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedllm.outputs import RequestOutput
 
-PREFIX = "pagedllm:"
+PREFIXES = ("pagedllm", "vllm")
+# vLLM's, for a histogram of tokens per engine step
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+REQUEST_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's buckets for token counts)."""
+    out, mantissa, exponent = [], [1, 2, 5], 0
+    while True:
+        for m in mantissa:
+            v = m * 10**exponent
+            if v > limit:
+                return out
+            out.append(v)
+        exponent += 1
+
 
 # vLLM's buckets, so dashboards built for vLLM read ours the same way.
 TTFT_BUCKETS = [
@@ -120,30 +142,60 @@ class _EngineStatsCollector(Collector):
         self.owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.owner.engine_stats
+        owner = self.owner
+        stats = owner.engine_stats
         labels = ["model_name"]
-        values = [self.owner.model_name]
+        values = [owner.model_name]
         for name, key, doc in _GAUGES:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g = GaugeMetricFamily(owner.prefix + name, doc, labels=labels)
             g.add_metric(values, float(stats.get(key, 0) or 0))
             yield g
         for name, key, doc in _COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c = CounterMetricFamily(owner.prefix + name, doc, labels=labels)
             c.add_metric(values, float(stats.get(key, 0) or 0))
             yield c
+        h = HistogramMetricFamily(
+            owner.prefix + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=labels
+        )
+        per_step = stats.get("iteration_tokens") or {}
+        buckets = [(str(b), sum(c for n, c in per_step.items() if n <= b)) for b in ITERATION_TOKENS_BUCKETS]
+        buckets.append(("+Inf", sum(per_step.values())))
+        h.add_metric(values, buckets, sum_value=float(sum(n * c for n, c in per_step.items())))
+        yield h
+        if owner.cache_config:
+            name = owner.prefix + "cache_config_info"
+            info = GaugeMetricFamily(name, "Information of the LLMEngine CacheConfig", labels=list(owner.cache_config))
+            info.add_metric(list(owner.cache_config.values()), 1.0)
+            yield info
 
 
 class ServerMetrics:
-    """The /metrics registry of one server instance."""
+    """The /metrics registry of one server instance.
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    ``prefix``: "pagedllm" or "vllm" (see the module docstring). ``max_model_len`` bounds the
+    token-count histograms' buckets, as in vLLM. ``cache_config``: the labels of cache_config_info
+    (block_size, num_gpu_blocks, ...), as strings.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        prefix: str = "pagedllm",
+        max_model_len: int = 2048,
+        cache_config: dict[str, str] | None = None,
+    ) -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}.")
         self.model_name = model_name
+        self.prefix = prefix + ":"
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine_stats: dict = {}
+        self.cache_config = dict(cache_config or {})
         labels = ["model_name"]
 
         def histogram(name: str, help_text: str, buckets: tuple | list) -> Histogram:
-            return Histogram(PREFIX + name, help_text, labels, buckets=buckets, registry=self.registry).labels(
+            return Histogram(self.prefix + name, help_text, labels, buckets=buckets, registry=self.registry).labels(
                 model_name
             )
 
@@ -161,8 +213,37 @@ class ServerMetrics:
             "Histogram of time spent in the WAITING phase for a request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in the PREFILL phase for a request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in the DECODE phase for a request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in the RUNNING phase for a request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
         self._success = Counter(
-            PREFIX + "request_success",
+            self.prefix + "request_success",
             "Count of successfully processed requests.",
             labels + ["finished_reason"],
             registry=self.registry,
@@ -172,26 +253,53 @@ class ServerMetrics:
     def update_engine_stats(self, stats: dict) -> None:
         self.engine_stats = dict(stats)
 
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """One engine request's parameters, as it is added (max_tokens as resolved: the request's
+        or the rest of the context)."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
+
     def observe_output(self, out: RequestOutput, prev_token_time: float | None) -> None:
         """Latency observations for one step's output of one request (engine thread)."""
         m = out.metrics
         arrival = m.get("arrival_time")
         last = m.get("last_token_time")
+        first = m.get("first_token_time")
+        scheduled = m.get("first_scheduled_time")
         if prev_token_time is None:
-            first = m.get("first_token_time")
             if first is not None and arrival is not None:
                 self.ttft.observe(max(0.0, first - arrival))
-            scheduled = m.get("first_scheduled_time")
             if scheduled is not None and arrival is not None:
                 self.queue_time.observe(max(0.0, scheduled - arrival))
+            if scheduled is not None and first is not None:
+                self.prefill_time.observe(max(0.0, first - scheduled))
         elif last is not None:
             self.itl.observe(max(0.0, last - prev_token_time))
         if out.finished:
-            end = m.get("finished_time", last)
-            if end is not None and arrival is not None:
-                self.e2e.observe(max(0.0, end - arrival))
-            for c in out.outputs:
-                self._success.labels(self.model_name, c.finish_reason or "unknown").inc()
+            self._observe_finished(out, arrival, scheduled, first, m.get("finished_time", last))
+
+    def _observe_finished(
+        self,
+        out: RequestOutput,
+        arrival: float | None,
+        scheduled: float | None,
+        first: float | None,
+        end: float | None,
+    ) -> None:
+        if end is not None and arrival is not None:
+            self.e2e.observe(max(0.0, end - arrival))
+        if end is not None and scheduled is not None:
+            self.inference_time.observe(max(0.0, end - scheduled))
+        if end is not None and first is not None:
+            decode = max(0.0, end - first)
+            self.decode_time.observe(decode)
+            generated = len(out.outputs[0].token_ids) if out.outputs else 0
+            if generated > 1:  # the first token's time is the prefill's
+                self.tpot.observe(decode / (generated - 1))
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        for c in out.outputs:
+            self.generation_tokens.observe(len(c.token_ids))
+            self._success.labels(self.model_name, c.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything in this registry."""

@@ -8,14 +8,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def load_tokenizer(path: str, config: Any = None):
+def load_tokenizer(path: str, config: Any = None, use_fast: bool = True):
     """transformers' AutoTokenizer for ``path``. ``config``: the model config already loaded from the
     same folder, which AutoTokenizer would otherwise load again (through AutoConfig and its imports,
     see pagedllm.models.plain_config); used only when tokenizer_config.json names the tokenizer
-    class, so that the config's class plays no part in choosing it."""
+    class, so that the config's class plays no part in choosing it. ``use_fast=False``: the slow
+    (Python) tokenizer, vLLM's tokenizer_mode="slow"."""
     from transformers import AutoTokenizer
 
-    kwargs = {"config": config} if config is not None and _names_tokenizer_class(path) else {}
+    kwargs: dict[str, Any] = {"config": config} if config is not None and _names_tokenizer_class(path) else {}
+    if not use_fast:  # tokenizer_mode="slow"
+        kwargs["use_fast"] = False
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as e:  # transformers raises many types; say which folder failed and why

@@ -147,20 +147,19 @@ def test_json_integers_are_valid_floats(http):
     assert r.status_code == 200, r.text
 
 
-def test_unknown_fields_are_ignored(http):
-    r = http.post("/v1/completions", json={**COMPLETION, "not_a_field": {"x": [1]}, "logit_bias": {}, "user": "u1"})
+def test_unknown_fields_are_refused_harmless_ones_ignored(http):
+    # A field the server cannot honour is a 400 naming it, never silently dropped.
+    r = http.post("/v1/completions", json={**COMPLETION, "not_a_field": {"x": [1]}, "user": "u1"})
+    assert_error(r, 400, "not_a_field", param="not_a_field")
+    r = http.post("/v1/completions", json={**COMPLETION, "user": "u1", "store": False})
     assert r.status_code == 200, r.text
     r = http.post(
         "/v1/chat/completions",
-        json={
-            **CHAT,
-            "response_format": {"type": "text"},
-            "whatever": 1,
-            "messages": [{"role": "user", "content": "hi", "name": "bob"}],
-        },
+        json={**CHAT, "metadata": {"a": "b"}, "messages": [{"role": "user", "content": "hi", "name": "bob"}]},
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert_error(http.post("/v1/chat/completions", json={**CHAT, "whatever": 1}), 400, "whatever", param="whatever")
 
 
 def test_unknown_model_is_404(http, server):

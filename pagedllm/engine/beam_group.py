@@ -119,7 +119,7 @@ class BeamGroup:
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=self.tokenizer.decode(shown),
+                    text=self.tokenizer.decode(shown) if self.tokenizer is not None else "",
                     token_ids=list(toks),
                     cumulative_logprob=hyp.cum_logprob,
                     logprobs=list(lps),

@@ -9,11 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.chat_template import load_chat_template
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY_GIB, EngineConfig
+from pagedllm.generation_defaults import load_generation_defaults
 from pagedllm.host_memory import keep_freed_memory_in_heap, release_freed_heap
 from pagedllm.kernels.interface import CpuKernels
 from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
+from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.llama import sliding_window
 from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
@@ -34,8 +37,9 @@ class EngineParts:
     dtype: torch.dtype
     device: torch.device
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: object | None  # None with skip_tokenizer_init
     eos_token_ids: set[int]
+    default_sampling: dict[str, object]  # SamplingParams fields from generation_config
     kernels: CpuKernels | None
     num_kv_blocks: int
     num_swap_blocks: int
@@ -69,20 +73,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model = load_gguf_model(native_gguf, hf_config, dtype, device, max_model_len, kernels)
     else:
         model = load_model(model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels)
-    tok_path = config.tokenizer or model_path
-    # The plain config spares AutoTokenizer the AutoConfig it would load (an AutoConfig one saves nothing)
-    own_config = tok_path == model_path and isinstance(hf_config, PlainLlamaConfig)
-    tokenizer = load_tokenizer(tok_path, hf_config if own_config else None)
+    tokenizer = None if config.skip_tokenizer_init else _tokenizer(config, model_path, hf_config)
+    default_sampling = load_generation_defaults(config.generation_config, model_path)
+    if not config.enable_chunked_prefill:
+        logger.warning("enable_chunked_prefill=False: prefills are still chunked to max_num_batched_tokens")
     if device.type == "cpu":
         release_freed_heap()  # before the KV cache: what loading freed goes back to the OS
 
     num_layers = len(model.layers)
     per_block = kv_bytes_per_block(num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
-    num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(config.kv_cache_memory_gib, per_block)
-    if num_kv_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory_gib={config.kv_cache_memory_gib} is less than one KV block ({per_block} bytes)."
-        )
+    num_kv_blocks = _num_kv_blocks(config, per_block, device)
 
     def caches(num_blocks: int, dev: torch.device):
         return allocate_kv_cache(
@@ -120,6 +120,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model,
         tokenizer,
         eos_token_ids(hf_config, tokenizer, model_path),
+        default_sampling,
         kernels,
         num_kv_blocks,
         num_swap_blocks,
@@ -127,6 +128,35 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler,
         runner,
     )
+
+
+def _tokenizer(config: EngineConfig, model_path: str, hf_config) -> object:
+    tok_path = config.tokenizer or model_path
+    # The plain config spares AutoTokenizer the AutoConfig it would load (an AutoConfig one saves nothing)
+    own_config = tok_path == model_path and isinstance(hf_config, PlainLlamaConfig)
+    tokenizer = load_tokenizer(tok_path, hf_config if own_config else None, use_fast=config.tokenizer_mode != "slow")
+    if config.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(config.chat_template)
+    return tokenizer
+
+
+def _num_kv_blocks(config: EngineConfig, per_block: int, device: torch.device) -> int:
+    """KV blocks per the precedence of EngineConfig: blocks, GiB, memory fraction, default GiB."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_gib is None and config.gpu_memory_utilization is not None:
+        budget = kv_cache_budget_bytes(config.gpu_memory_utilization, device)
+        if budget < per_block:
+            raise ValueError(
+                f"gpu_memory_utilization={config.gpu_memory_utilization} leaves {budget} bytes for the KV "
+                f"cache, less than one block ({per_block} bytes)."
+            )
+        return budget // per_block
+    gib = config.kv_cache_memory_gib if config.kv_cache_memory_gib is not None else DEFAULT_KV_CACHE_MEMORY_GIB
+    num_blocks = num_blocks_for_memory(gib, per_block)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_gib={gib} is less than one KV block ({per_block} bytes).")
+    return num_blocks
 
 
 def native_gguf_path(config: EngineConfig) -> str | None:

@@ -31,6 +31,9 @@ class EngineCore:
         # KV memory there: the memory the step runs with).
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         self.num_steps = 0  # steps that ran the model
+        # tokens one step ran -> how many steps ran that many (vLLM's iteration_tokens_total);
+        # at most max_num_batched_tokens keys
+        self.iteration_tokens: dict[int, int] = {}
         # The sequences the latest step scheduled (set before the runner runs, so also after it raised).
         self.last_scheduled: list[str] = []
 
@@ -73,6 +76,8 @@ class EngineCore:
             raise
         if not sched.is_empty:
             self.num_steps += 1
+            n = sched.total_num_scheduled_tokens
+            self.iteration_tokens[n] = self.iteration_tokens.get(n, 0) + 1
         return self.scheduler.update_from_output(sched, sampled)
 
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:

@@ -30,6 +30,11 @@ def tokenize_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int
         else:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
     if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                "Text prompts need the tokenizer, which skip_tokenizer_init=True skips: give token ids "
+                "(a list of ints or {'prompt_token_ids': [...]})."
+            )
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)):
         return None, token_ids_of(prompt)

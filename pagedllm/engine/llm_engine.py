@@ -45,6 +45,8 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.token_texts = TokenTexts(parts.tokenizer)
+        # Defaults of request fields left unset (generation_config.py); {} with generation_config="vllm"
+        self.default_sampling_params = parts.default_sampling
         self.num_kv_blocks = parts.num_kv_blocks
         self.num_swap_blocks = parts.num_swap_blocks
         self.kv_manager = parts.kv_manager
@@ -91,6 +93,10 @@ class LLMEngine:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text, ids = self._prompt(prompt, params)
         params.all_stop_token_ids = set(self.eos_token_ids)
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only
+            if params.stop:
+                raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True); use stop_token_ids.")
+            params.detokenize = False
         num_seqs = max(params.n, params.best_of or 1)
         if num_seqs > self.config.max_num_seqs:
             # A group runs together; more sequences than a step holds could never all run.
@@ -214,6 +220,7 @@ class LLMEngine:
             "num_requests_swapped": self.scheduler.num_swapped,
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
+            "iteration_tokens": dict(self.core.iteration_tokens),
             **self.stats_counters,
         }
 

@@ -13,6 +13,8 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
     kwargs = engine_kwargs(args, skip=("model",))
+    if kwargs.get("kv_cache_memory_gib") is None and kwargs.get("gpu_memory_utilization") is None:
+        kwargs["kv_cache_memory_gib"] = 1.0  # a few prompts: a small cache starts faster
     llm = LLM(model=args.model, **kwargs)
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -50,7 +52,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     add_engine_args(gen)
-    gen.set_defaults(func=_generate, kv_cache_memory_gib=1.0)
+    gen.set_defaults(func=_generate)
 
     try:
         from pagedllm.entrypoints.openai.cli import add_serve_parser

@@ -1,4 +1,5 @@
-"""Command-line flags for every EngineConfig field (--block-size, --max-num-seqs, ...)."""
+"""Command-line flags for every EngineConfig field (--block-size, --max-num-seqs, ...), under vLLM's
+spellings too (--swap-space), and vLLM's other engine flags refused by name (see vllm_args.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import typing
 
 from pagedllm.config import EngineConfig
+from pagedllm.vllm_args import VLLM_ALIASES, VLLM_UNSUPPORTED, UnsupportedEngineArgument, is_vllm_default
 
 _HELP = {
     "model": "local Hugging Face folder, .gguf file, or a known name (default: smollm2-135m-instruct)",
@@ -16,8 +18,27 @@ _HELP = {
         "none: dequantize a GGUF to float at load"
     ),
     "block_size": "tokens per KV block",
-    "kv_cache_memory_gib": "KV cache size in GiB",
-    "num_kv_blocks": "KV cache size in blocks (overrides --kv-cache-memory-gib)",
+    "kv_cache_memory_gib": "KV cache size in GiB (default: 4, or per --gpu-memory-utilization)",
+    "num_kv_blocks": "KV cache size in blocks (overrides the other KV size flags)",
+    "gpu_memory_utilization": (
+        "fraction of the device's memory (on the CPU: the host's, or the container limit) this process "
+        "may hold, model included; the rest of that share after loading is the KV cache"
+    ),
+    "swap_space_gib": "host memory for KV swapped out on preemption (preemption modes swap / auto)",
+    "chat_template": "chat template replacing the tokenizer's: a file path or the Jinja text itself",
+    "generation_config": (
+        "default sampling of requests that leave it unset: auto (the model's generation_config.json), "
+        "vllm (vLLM's defaults) or a folder with a generation_config.json"
+    ),
+    "skip_tokenizer_init": "no tokenizer: token-id prompts only, outputs carry token ids and empty text",
+    "tokenizer_mode": "auto | slow",
+    "tensor_parallel_size": "only 1: one device",
+    "pipeline_parallel_size": "only 1: one device",
+    "enforce_eager": "accepted for vLLM's command lines; pagedllm always runs eagerly",
+    "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
+    "trust_remote_code": "accepted; pagedllm never runs code shipped with a checkpoint",
+    "disable_log_stats": "accepted; pagedllm logs no periodic stats (see /metrics)",
+    "kv_cache_dtype": "only auto: the activation dtype",
     "kv_layout": "paged (default) or contiguous (baseline reservation policies)",
     "reserve": "contiguous layout: max | pow2 | oracle",
     "max_model_len": "context length (default: the model's)",
@@ -28,21 +49,47 @@ _HELP = {
 }
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _RefuseVllmFlag(argparse.Action):
+    """A vLLM engine flag pagedllm does not implement: an error naming it, unless given vLLM's default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = True if values is None else values
+        if not is_vllm_default(self.dest, value):
+            parser.error(str(UnsupportedEngineArgument(self.dest, value, flag=True)))
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     hints = typing.get_type_hints(EngineConfig)
+    aliases: dict[str, list[str]] = {}
+    for vllm_name, field in VLLM_ALIASES.items():
+        aliases.setdefault(field, []).append(_flag(vllm_name))
     for f in dataclasses.fields(EngineConfig):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = [_flag(f.name), *aliases.get(f.name, [])]
         hint = hints[f.name]
         if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP.get(f.name))
+            parser.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP.get(f.name)
+            )
             continue
         base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        parser.add_argument(flag, type=base[0], default=f.default, help=_HELP.get(f.name))
+        parser.add_argument(*flags, type=base[0], default=f.default, help=_HELP.get(f.name))
+    for name in VLLM_UNSUPPORTED:
+        flag = _flag(name)
+        if name in skip or flag in parser._option_string_actions:  # the command has its own
+            continue
+        # Hidden: listing ~100 flags that only fail would bury the real ones in --help. Not stored:
+        # a refused flag never reaches EngineConfig.
+        parser.add_argument(flag, nargs="?", action=_RefuseVllmFlag, dest=name, help=argparse.SUPPRESS)
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
+    """The EngineConfig fields among the parsed flags."""
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(EngineConfig)

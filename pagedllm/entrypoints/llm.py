@@ -14,10 +14,20 @@ ChatMessage = dict[str, str]
 
 
 class LLM:
-    """Loads a model once; ``generate`` runs a whole list of prompts with continuous batching."""
+    """Loads a model once; ``generate`` runs a whole list of prompts with continuous batching.
+
+    ``kwargs`` are EngineConfig's fields and vLLM's engine arguments (``gpu_memory_utilization``,
+    ``swap_space``, ``tensor_parallel_size=1``, ``enforce_eager``, ...; see pagedllm/vllm_args.py).
+    A vLLM argument pagedllm cannot honour raises ValueError naming it; an unknown name, TypeError.
+    """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: object) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without SamplingParams: the model's generation_config defaults
+        (per the generation_config engine argument), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)  # type: ignore[arg-type]
 
     def reset_prefix_cache(self) -> None:
         """Drops the cached prompt prefixes (benchmarks repeat a workload from a cold cache)."""
@@ -43,7 +53,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -142,6 +152,8 @@ class LLM:
         chat_template: str | None = None,
     ) -> str:
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat() needs the tokenizer, which skip_tokenizer_init=True skips.")
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
         return tok.apply_chat_template(

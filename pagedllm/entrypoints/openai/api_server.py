@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app, middleware, routes, and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (bearer auth when an API key is set),
-/health, /version, /metrics (Prometheus), /stats (JSON engine stats).
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize (bearer auth
+when an API key is set), /health, /version, /metrics (Prometheus), /stats (JSON engine stats).
 
 Every error is answered in OpenAI's shape with a 4xx status when the input is at fault; FastAPI's
 422 validation errors become 400s, as OpenAI clients expect.
@@ -30,15 +30,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ServerLimits,
+    TokenizeRequest,
     validation_error_message,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.host_memory import release_freed_heap
 from pagedllm.metrics import ServerMetrics
 from pagedllm.tokenizer import load_tokenizer, shareable_across_threads
@@ -265,6 +269,17 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # only when the request asks for them
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def _generation_ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {
         200: {
@@ -306,6 +321,21 @@ def _openapi_without_422(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def cache_config_info(llm: LLMEngine) -> dict[str, str]:
+    """The labels of the cache_config_info metric, vLLM's names for the KV cache's configuration."""
+    config = llm.config
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": config.kv_cache_dtype,
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "num_cpu_blocks": str(llm.num_swap_blocks),
+        "num_gpu_blocks": str(llm.num_kv_blocks),
+        "num_gpu_blocks_override": str(config.num_kv_blocks),
+        "swap_space": str(config.swap_space_gib),
+    }
+
+
 def build_app(
     engine: AsyncLLMEngine,
     served_model_names: list[str],
@@ -315,22 +345,37 @@ def build_app(
     limits: ServerLimits | None = None,
     metrics_require_key: bool = False,
     allowed_hosts: list[str] | None = None,
+    show_model_path: bool = False,
 ) -> FastAPI:
-    """The FastAPI app around a (not yet started) AsyncLLMEngine; the app's lifespan runs the engine."""
-    metrics = metrics or ServerMetrics(served_model_names[0])
+    """The FastAPI app around a (not yet started) AsyncLLMEngine; the app's lifespan runs the engine.
+
+    ``show_model_path``: /v1/models gives the model's folder as ``root`` (by default the served
+    name: a local path tells clients about the server's file system)."""
     llm = engine.engine
+    metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=llm.max_model_len)
+    if not metrics.cache_config:
+        metrics.cache_config = cache_config_info(llm)
+    if engine.output_hook is None:  # latencies and token counts per output (run_server sets it first)
+        engine.output_hook = metrics.observe_output
     tok_path = llm.config.tokenizer or llm.model_path
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
     # One tokenizer for the engine thread, the tokenizer pool and the event loop where that is safe
     # (each instance holds ~10 MB); else the pool and the event loop get their own.
     tok = llm.tokenizer
+    if tok is None:
+        raise ValueError("The server needs the tokenizer: skip_tokenizer_init is for the offline LLM only.")
     if shareable_across_threads(tok):
         encode_tok = decode_tok = tok
     else:
         encode_tok, decode_tok = load_tokenizer(tok_path), load_tokenizer(tok_path)
+        # the engine argument chat_template replaced the engine tokenizer's: the same here
+        encode_tok.chat_template = decode_tok.chat_template = tok.chat_template
     serving_args = (engine, served_model_names, encode_tok, decode_tok, pool, limits)
     completions = OpenAIServingCompletion(*serving_args)
     chat = OpenAIServingChat(*serving_args)
+    tokenization = OpenAIServingTokenization(chat)
+    completions.on_request_params = chat.on_request_params = metrics.observe_params
+    model_root = llm.model_path if show_model_path else served_model_names[0]
     started = int(time.time())
 
     @asynccontextmanager
@@ -426,7 +471,7 @@ def build_app(
                     "object": "model",
                     "created": started,
                     "owned_by": "pagedllm",
-                    "root": llm.model_path,
+                    "root": model_root,
                     "parent": None,
                     "max_model_len": llm.max_model_len,
                 }
@@ -441,6 +486,14 @@ def build_app(
     @app.post("/v1/chat/completions", responses={**_generation_ok(ChatCompletionResponse), **_REQUEST_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_REQUEST_ERRORS})
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_REQUEST_ERRORS})
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await tokenization.detokenize(body)
 
     # Outermost first: auth, then the body limit (an unauthenticated client never makes us buffer).
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
@@ -468,8 +521,10 @@ def run_server(args: argparse.Namespace) -> int:
     if allowed_hosts is None and loopback and not api_keys:
         # Nothing else guards a keyless loopback server from a browser page's DNS rebinding.
         allowed_hosts = [*LOOPBACK_HOSTS, args.host]
-    metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine.from_config(EngineConfig.from_kwargs(**engine_kwargs(args)), metrics.observe_output)
+    engine = AsyncLLMEngine.from_config(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    # Built after the engine: its token-count histograms' buckets end at the model's context.
+    metrics = ServerMetrics(names[0], prefix=args.metrics_prefix, max_model_len=engine.engine.max_model_len)
+    engine.output_hook = metrics.observe_output
     engine.max_step_failures = args.max_step_failures
     limits = ServerLimits(
         max_prompts_per_request=args.max_prompts_per_request,
@@ -489,6 +544,7 @@ def run_server(args: argparse.Namespace) -> int:
         limits,
         metrics_require_key=args.metrics_require_key,
         allowed_hosts=allowed_hosts,
+        show_model_path=args.show_model_path,
     )
     if not loopback:
         logger.warning(

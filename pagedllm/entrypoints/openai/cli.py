@@ -27,6 +27,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics); repeat the "
         "flag or separate keys by commas to accept several (default: $PAGEDLLM_API_KEY)",
     )
+    p.add_argument(
+        "--metrics-prefix",
+        choices=["pagedllm", "vllm"],
+        default="pagedllm",
+        help="prefix of every /metrics name: vllm gives vLLM's names, for its dashboards (default: pagedllm)",
+    )
     p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too (default: open)")
     p.add_argument(
         "--allowed-hosts",
@@ -46,6 +52,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         nargs="+",
         default=None,
         help="model name(s) clients use (default: the MODEL argument)",
+    )
+    p.add_argument(
+        "--show-model-path",
+        action="store_true",
+        help="/v1/models gives the model's folder as root (default: the served model name)",
     )
     p.add_argument(
         "--max-request-body-bytes",
@@ -81,6 +92,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM's command lines: pagedllm logs no request contents anyway",
+    )
     add_engine_args(p)
     p.set_defaults(func=_serve)
     return p

@@ -1,8 +1,11 @@
 """OpenAI request shapes (pydantic), the OpenAI error shape, and request -> SamplingParams.
 
-Unknown fields are ignored, as the OpenAI API and vLLM do (``extra="ignore"``), so clients that
-send newer or vendor-specific fields keep working. Fields that have a default also accept an
-explicit ``null`` meaning "the default", because some clients send nulls.
+A request field is either declared (and honoured), one of IGNORED_FIELDS (harmless OpenAI fields
+that change nothing a self-hosted server returns: accepted, and logged at debug level as vLLM
+does), or a 400 naming it (``extra="forbid"``): a field silently dropped would return something
+other than what the client asked for. Nested objects (stream_options, content parts) still ignore
+what they do not know. Fields that have a default also accept an explicit ``null`` meaning "the
+default", because some clients send nulls.
 
 Types are strict (``strict=True``): ``"n": "2"``, ``"max_tokens": 2.0`` or ``"stream": 1`` are 400s
 naming the field, as OpenAI answers them, rather than silently coerced (lax coercion hides client
@@ -12,6 +15,7 @@ bugs, and ``"echo": "false"`` would mean True). A JSON integer is still a valid 
 
 from __future__ import annotations
 
+import logging
 import re
 import reprlib
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("pagedllm.server")
 MAX_N = 128
 MAX_JSON_DEPTH = 32  # deeper nesting than any real request has (chat_template_kwargs is free-form)
 
@@ -105,7 +110,52 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
-class _SamplingRequest(OpenAIBaseModel):
+# OpenAI request fields accepted and ignored: they steer OpenAI's own storage, billing, abuse
+# tracking or latency, never the tokens returned. Declared on the requests (typed as OpenAI types
+# them) so that they pass extra="forbid" and appear in the OpenAPI document.
+IGNORED_FIELDS = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "prediction",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+
+
+class _Request(OpenAIBaseModel):
+    """A request body: unknown top-level fields are a 400 naming them (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_values(cls, data: Any) -> Any:
+        check_json_value(data)
+        return data
+
+
+class _IgnoredOpenAIFields(_Request):
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> _IgnoredOpenAIFields:
+        ignored = [f for f in IGNORED_FIELDS if f in self.model_fields_set]
+        if ignored:
+            logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
+        return self
+
+
+class _SamplingRequest(_IgnoredOpenAIFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None  # optional as in vLLM: defaults to the (first) served model
@@ -135,13 +185,6 @@ class _SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as a self-hosted server has no abuse tracking
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_json_values(cls, data: Any) -> Any:
-        check_json_value(data)
-        return data
 
     @property
     def include_usage(self) -> bool:
@@ -180,6 +223,32 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's defaults: True for a prompt, False for messages (the template has the special tokens)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("prompt_or_messages", "Give exactly one of 'prompt' and 'messages'.")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_from_value_error(e: Exception, fields: set[str]) -> APIError:
     """Maps a ValueError from SamplingParams / LLMEngine.add_request to a 400.
 
@@ -202,12 +271,19 @@ def to_sampling_params(
     logprobs: int | None,
     best_of: int | None = None,
     prompt_logprobs: int | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Builds SamplingParams; omitted (None) fields keep SamplingParams' (vLLM's) defaults.
+    """Builds SamplingParams; omitted (None) fields take ``defaults`` (the model's generation config,
+    see generation_defaults.py), else SamplingParams' (vLLM's) defaults. A default max_tokens caps
+    the request's, as vLLM's max_new_tokens does.
 
     Raises APIError(400) naming the bad field. How many logprobs a request may ask for is the
     engine's max_logprobs, checked when the request is added.
     """
+    defaults = defaults or {}
+    default_max = defaults.get("max_tokens")
+    if default_max is not None:
+        max_tokens = default_max if max_tokens is None else min(max_tokens, default_max)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise APIError(f"n must be between 1 and {MAX_N}, got {n}.", param="n")
@@ -244,6 +320,9 @@ def to_sampling_params(
         "bad_words": req.bad_words,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
     }
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if kwargs[name] is None and name in defaults:
+            kwargs[name] = defaults[name]
     # max_tokens=None is meaningful (the rest of the context); every other None means "default".
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("max_tokens", "logprobs", "best_of")}
     try:
@@ -271,10 +350,21 @@ def validation_error_message(errors: list[dict]) -> tuple[str, str | None]:
     """A readable message (and the offending field) from pydantic/FastAPI validation errors."""
     by_field: dict[str, list[dict]] = {}
     for err in errors:
+        if err.get("type") == "prompt_or_messages":
+            return str(err.get("msg")), "prompt"
         if err.get("type") in ("invalid_unicode", "too_deep"):  # check_json_value's: already readable
             param = (err.get("ctx") or {}).get("param")
             return str(err.get("msg")), (None if param == "body" else param)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "extra_forbidden" and len(loc) == 1:
+            top = ([x for x in e.get("loc", ()) if x != "body"] for e in errors if e.get("type") == "extra_forbidden")
+            unknown = [str(t[0]) for t in top if len(t) == 1]
+            names = ", ".join(f"'{n}'" for n in unknown)
+            return (
+                f"Unsupported request field(s) {names}: this server cannot honour them, and does not "
+                "ignore fields that could change the result.",
+                unknown[0],
+            )
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"The request body is not valid JSON{': ' + str(detail) if detail else ''}.", None

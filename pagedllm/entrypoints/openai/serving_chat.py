@@ -84,11 +84,13 @@ class OpenAIServingChat(OpenAIServing):
                 f"messages has {len(req.messages)} messages; at most {self.limits.max_messages} are allowed.",
                 param="messages",
             )
-        params = to_sampling_params(req, max_tokens, logprobs, prompt_logprobs=req.prompt_logprobs)
+        params = to_sampling_params(
+            req, max_tokens, logprobs, prompt_logprobs=req.prompt_logprobs, defaults=self.default_sampling
+        )
         self.check_limits(req, 1)
-        messages = [_message_dict(m) for m in req.messages]
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
-        prompt = await self.in_tokenizer_thread(self._render, messages, req.add_generation_prompt is not False, kwargs)
+        prompt = await self.in_tokenizer_thread(
+            self.render, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The engine would slice the same; here too, so the streamed usage counts what runs.
         prompt["prompt_token_ids"] = truncate_prompt(prompt["prompt_token_ids"], params, self.max_model_len)
@@ -129,21 +131,35 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
         return JSONResponse(body)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> dict:
-        """Chat template -> text -> ids. No special tokens are added: the template has them (BOS...)."""
+    def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict | None,
+        add_special_tokens: bool = False,
+    ) -> dict:
+        """Chat template -> text -> ids (in the tokenizer thread). No special tokens are added by
+        default: the template has them (BOS...)."""
+        text = self.render_text(messages, add_generation_prompt, template_kwargs)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    def render_text(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict | None
+    ) -> str:
+        """The chat template applied to ``messages``; the input's faults are 400s."""
+        dicts = [_message_dict(m) for m in messages]
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError("This model's tokenizer has no chat template; use /v1/completions.")
         try:
-            text = tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+            text = tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as e:  # "roles must alternate", raise_exception(...): the input's fault
             raise APIError(f"Could not apply the chat template: {e}", param="messages") from e
         except Exception as e:  # e.g. a TypeError inside the template: our text stays in the log
             logger.warning("chat template failed: %r", e)
             raise APIError("Could not apply the chat template to these messages.", param="messages") from e
-        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+        return text
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int) -> list[dict]:
         """OpenAI's chat logprobs: per token {token, logprob, bytes, top_logprobs: [{token, logprob,

@@ -58,6 +58,11 @@ class OpenAIServing:
         self.vocab_size: int = engine.engine.vocab_size
         self.limits = limits or ServerLimits()
         llm = engine.engine
+        # Defaults of the fields a request leaves out: the model's generation config (engine argument
+        # generation_config), as vLLM applies it.
+        self.default_sampling: dict[str, Any] = dict(llm.default_sampling_params)
+        # Called with (n, max_tokens) of every engine request added (the metrics' request_params_*).
+        self.on_request_params: Callable[[int, int], None] | None = None
         # Default: what the KV cache holds; a request needing more would only preempt itself.
         self.max_request_tokens: int = self.limits.max_request_tokens or llm.num_kv_blocks * llm.kv_manager.block_size
         # No token covers more characters than the longest vocabulary entry (byte-level BPE entries
@@ -172,6 +177,11 @@ class OpenAIServing:
             if isinstance(e, EngineDeadError):
                 raise APIError("The engine is not running.", 503) from e
             raise
+        if self.on_request_params is not None:
+            for p in prompts:
+                n_prompt = len(p["prompt_token_ids"])
+                max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+                self.on_request_params(params.n, max_tokens)
         return streams
 
     async def collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
