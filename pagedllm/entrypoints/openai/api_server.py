@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.tool_parsers import tool_parser
 from pagedllm.host_memory import release_freed_heap
 from pagedllm.metrics import ServerMetrics
 from pagedllm.tokenizer import load_tokenizer, shareable_across_threads
@@ -346,11 +347,15 @@ def build_app(
     metrics_require_key: bool = False,
     allowed_hosts: list[str] | None = None,
     show_model_path: bool = False,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The FastAPI app around a (not yet started) AsyncLLMEngine; the app's lifespan runs the engine.
 
     ``show_model_path``: /v1/models gives the model's folder as ``root`` (by default the served
-    name: a local path tells clients about the server's file system)."""
+    name: a local path tells clients about the server's file system). ``tool_call_parser`` /
+    ``enable_auto_tool_choice``: how tool_choice "auto" reads calls from the model's text
+    (tool_parsers.py)."""
     llm = engine.engine
     metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=llm.max_model_len)
     if not metrics.cache_config:
@@ -373,6 +378,8 @@ def build_app(
     serving_args = (engine, served_model_names, encode_tok, decode_tok, pool, limits)
     completions = OpenAIServingCompletion(*serving_args)
     chat = OpenAIServingChat(*serving_args)
+    chat.tool_parser = tool_parser(tool_call_parser) if tool_call_parser else None
+    chat.enable_auto_tools = enable_auto_tool_choice
     tokenization = OpenAIServingTokenization(chat)
     completions.on_request_params = chat.on_request_params = metrics.observe_params
     model_root = llm.model_path if show_model_path else served_model_names[0]
@@ -545,6 +552,8 @@ def run_server(args: argparse.Namespace) -> int:
         metrics_require_key=args.metrics_require_key,
         allowed_hosts=allowed_hosts,
         show_model_path=args.show_model_path,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     if not loopback:
         logger.warning(

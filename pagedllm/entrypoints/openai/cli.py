@@ -15,6 +15,7 @@ import uvicorn  # noqa: F401, E402  isort: skip
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
     from pagedllm.entrypoints.openai.protocol import ServerLimits
+    from pagedllm.entrypoints.openai.tool_parsers import PARSERS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)")
@@ -57,6 +58,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--show-model-path",
         action="store_true",
         help="/v1/models gives the model's folder as root (default: the served model name)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how tool calls are read from the model's text, in its chat template's format",
     )
     p.add_argument(
         "--max-request-body-bytes",

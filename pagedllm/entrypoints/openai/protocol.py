@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
 MAX_N = 128
@@ -118,7 +119,6 @@ IGNORED_FIELDS = (
     "store",
     "metadata",
     "service_tier",
-    "parallel_tool_calls",
     "prediction",
     "prompt_cache_key",
     "safety_identifier",
@@ -142,7 +142,7 @@ class _IgnoredOpenAIFields(_Request):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # honoured by tool_choice "required" (tool_calls.py)
     prediction: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -183,6 +183,16 @@ class _SamplingRequest(_IgnoredOpenAIFields):
     # vLLM's extra parameter: prompt_logprobs (None, then one dict per prompt token); on a
     # completions choice, or on the chat response
     prompt_logprobs: int | None = None
+    # Output constraints (structured.py): OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # one grammar engine here (llguidance): any name runs it
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -221,6 +231,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's tool calling (tool_calls.py): [{"type": "function", "function": {name, description,
+    # parameters}}]; "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -272,6 +286,7 @@ def to_sampling_params(
     best_of: int | None = None,
     prompt_logprobs: int | None = None,
     defaults: dict[str, Any] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Builds SamplingParams; omitted (None) fields take ``defaults`` (the model's generation config,
     see generation_defaults.py), else SamplingParams' (vLLM's) defaults. A default max_tokens caps
@@ -319,6 +334,7 @@ def to_sampling_params(
         "allowed_token_ids": req.allowed_token_ids,
         "bad_words": req.bad_words,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
+        "structured_outputs": structured_outputs,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if kwargs[name] is None and name in defaults:

@@ -29,6 +29,9 @@ from pagedllm.entrypoints.openai.streaming import (
     merge_streams,
     sse,
 )
+from pagedllm.entrypoints.openai.structured import structured_outputs_of
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.logprobs import Logprob
 
 logger = logging.getLogger("pagedllm.server")
@@ -71,6 +74,26 @@ def _message_dict(m: ChatMessage) -> dict:
 
 
 class OpenAIServingChat(OpenAIServing):
+    # Set by build_app: how tool_choice "auto" finds the calls in the model's text.
+    tool_parser: ToolParser | None = None
+    enable_auto_tools: bool = False
+
+    def _constraint(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, object]:
+        """The request's tool plan and output constraint (a required / named tool choice's, or
+        response_format's and the like: not both)."""
+        plan = plan_tools(
+            req.tools, req.tool_choice, self.tool_parser, self.enable_auto_tools, req.parallel_tool_calls is not False
+        )
+        constraint = structured_outputs_of(req)
+        if plan is not None and plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(
+                    "A required or named tool_choice constrains the output already; drop response_format.",
+                    param="tool_choice",
+                )
+            constraint = plan.constraint
+        return plan, constraint
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival = time.monotonic()
         model = self.check_model(req.model)
@@ -84,12 +107,22 @@ class OpenAIServingChat(OpenAIServing):
                 f"messages has {len(req.messages)} messages; at most {self.limits.max_messages} are allowed.",
                 param="messages",
             )
+        plan, constraint = self._constraint(req)
         params = to_sampling_params(
-            req, max_tokens, logprobs, prompt_logprobs=req.prompt_logprobs, defaults=self.default_sampling
+            req,
+            max_tokens,
+            logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            defaults=self.default_sampling,
+            structured_outputs=constraint,
         )
         self.check_limits(req, 1)
         prompt = await self.in_tokenizer_thread(
-            self.render, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs
+            self.render,
+            req.messages,
+            req.add_generation_prompt is not False,
+            req.chat_template_kwargs,
+            tools=plan.tools if plan is not None else None,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The engine would slice the same; here too, so the streamed usage counts what runs.
@@ -98,7 +131,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [prompt], params, arrival)
         if req.stream:
             return AbortOnCloseStreamingResponse(
-                self._stream(req, request_id, model, streams, prompt, params.n), streams
+                self._stream(req, request_id, model, streams, prompt, params.n, plan), streams
             )
         try:
             (out,) = await self.collect(streams, raw_request)
@@ -110,12 +143,13 @@ class OpenAIServingChat(OpenAIServing):
             lp = None
             if logprobs is not None and c.logprobs is not None:
                 lp = {"content": self._logprobs(c.token_ids, c.logprobs, top)}
+            message, finish_reason = _message(plan, c.text, c.finish_reason)
             choices.append(
                 {
                     "index": rank,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -137,18 +171,25 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool,
         template_kwargs: dict | None,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> dict:
         """Chat template -> text -> ids (in the tokenizer thread). No special tokens are added by
         default: the template has them (BOS...)."""
-        text = self.render_text(messages, add_generation_prompt, template_kwargs)
+        text = self.render_text(messages, add_generation_prompt, template_kwargs, tools)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
     def render_text(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict | None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict | None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The chat template applied to ``messages``; the input's faults are 400s."""
-        dicts = [_message_dict(m) for m in messages]
+        """The chat template applied to ``messages`` (and ``tools``); the input's faults are 400s."""
+        dicts = template_messages([_message_dict(m) for m in messages])
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+        if tools:
+            kwargs["tools"] = tools
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError("This model's tokenizer has no chat template; use /v1/completions.")
@@ -192,6 +233,7 @@ class OpenAIServingChat(OpenAIServing):
         streams: list[RequestStream],
         prompt: dict,
         n: int,
+        plan: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         states: dict[int, _ChoiceState] = {}
@@ -221,15 +263,32 @@ class OpenAIServingChat(OpenAIServing):
                             ],
                             **usage_null,
                         )
-                    delta = c.text[st.text_len :]
-                    new_ids = c.token_ids[st.num_tokens :]
                     finish = c.finish_reason
+                    calls = []
+                    if plan is None:
+                        shown = len(c.text)
+                    elif finish is None:  # text that may still become a tool call is held back
+                        shown = plan.streamable_len(c.text)
+                    else:
+                        _, calls = plan.calls_of(c.text)
+                        shown = st.text_len if calls else len(c.text)
+                    delta = c.text[st.text_len : max(shown, st.text_len)]
+                    new_ids = c.token_ids[st.num_tokens :]
                     lp_new = want_lp and c.logprobs is not None and bool(new_ids)
                     if not delta and finish is None and not lp_new:
                         continue
                     lp = {"content": self._logprobs(new_ids, c.logprobs[st.num_tokens :], top)} if lp_new else None
-                    st.text_len = max(st.text_len, len(c.text))
+                    st.text_len = max(st.text_len, shown)
                     st.num_tokens = len(c.token_ids)
+                    if calls:  # the calls in one delta each, whole, before the finishing chunk
+                        tool_delta = {"tool_calls": [call.to_openai(i) for i, call in enumerate(calls)]}
+                        yield chunk(
+                            [{"index": c.index, "delta": tool_delta, "logprobs": lp, "finish_reason": None}],
+                            **usage_null,
+                        )
+                        lp = None
+                        if finish == "stop":
+                            finish = "tool_calls"
                     choice = {
                         "index": c.index,
                         "delta": {"content": delta} if delta else {},
@@ -250,3 +309,15 @@ class OpenAIServingChat(OpenAIServing):
             yield sse("[DONE]")
         finally:
             abort_all(streams)
+
+
+def _message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished output, and its finish_reason: "tool_calls" when the
+    model called tools (and was not cut short)."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = plan.calls_of(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.streaming import (
     merge_streams,
     sse,
 )
+from pagedllm.entrypoints.openai.structured import structured_outputs_of
 from pagedllm.logprobs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -47,7 +48,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens 0 (as vLLM): the prompt and its logprobs alone, nothing generated
         # (scoring a text, as lm-eval's loglikelihood does). The engine samples one token, unshown.
         max_tokens = 1 if self._echo_only(req) else req.max_tokens
-        params = to_sampling_params(req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling)
+        params = to_sampling_params(
+            req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, structured_outputs_of(req)
+        )
         self.check_limits(req, len(prompts), req.best_of)
         engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo), params)
         self.check_request_tokens(engine_prompts, params)
