@@ -41,17 +41,34 @@ class AllowedTokens(NamedTuple):
     rows: list[int]  # rows of the logits
     bitmask: np.ndarray  # int32 [len(rows), ceil(vocab / 32)]: bit t set when token t is allowed
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Sets every disallowed token's logit of those rows to -inf, in place."""
+    def apply(self, logits: torch.Tensor, kernel: Callable | None = None) -> None:
+        """Sets every disallowed token's logit of those rows to -inf, in place. ``kernel``: the
+        compiled one (pagedllm.kernels' apply_token_bitmask), else torch's masked_fill."""
+        if kernel is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            kernel(logits, torch.from_numpy(self.bitmask), torch.tensor(self.rows, dtype=torch.long))
+            return
         vocab = logits.shape[1]
-        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        rows = torch.tensor(self.rows, dtype=torch.long)
-        logits[rows] = logits[rows].masked_fill(torch.from_numpy(bits) == 0, float("-inf"))
+        # Bits inverted while packed (32x fewer bytes), then unpacked straight into a bool mask.
+        banned = np.unpackbits(~self.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        banned_t = torch.from_numpy(banned).view(torch.bool)
+        first, n = self.rows[0], len(self.rows)
+        if self.rows == list(range(first, first + n)):  # the usual case: a run of rows, masked in place
+            logits[first : first + n].masked_fill_(banned_t, float("-inf"))
+        else:
+            rows = torch.tensor(self.rows, dtype=torch.long)
+            logits[rows] = logits[rows].masked_fill(banned_t, float("-inf"))
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """``argmax_rows``: the compiled bf16 / float32 row argmax (pagedllm.kernels), or None for torch's."""
+    def __init__(
+        self,
+        seed: int = 0,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        apply_token_bitmask: Callable | None = None,
+    ) -> None:
+        """``argmax_rows`` / ``apply_token_bitmask``: the compiled row argmax and structured-output
+        masking (pagedllm.kernels), or None for torch's."""
+        self.apply_token_bitmask = apply_token_bitmask
         # Draws for requests without their own seed: reproducible per engine, not per request.
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
@@ -71,7 +88,7 @@ class Sampler:
         logits = logits.float()
         processed = logits.clone() if penalties or controls or allowed is not None else logits
         if allowed is not None:
-            allowed.apply(processed)
+            allowed.apply(processed, self.apply_token_bitmask)
         if controls:
             apply_token_controls(processed, requests)
         if penalties:

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether paged_prefill_attention runs here for this head_dim and block_size");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each row of bfloat16 or float32 logits");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits[rows[i], t] = -inf where bit t of bitmask row i is clear (structured outputs)");
   m.def("packed_gemm", &packed_gemm,
         "x @ W^T (+ bias, or silu(gate) * up) with W packed in AMX B-tile order (AMX tiles or AVX512-BF16)");
   m.def("packed_gemm_argmax", &packed_gemm_argmax,

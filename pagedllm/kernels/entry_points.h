@@ -14,6 +14,7 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 bool prefill_attention_available(int64_t head_dim, int64_t block_size);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,

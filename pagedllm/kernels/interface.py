@@ -119,6 +119,11 @@ class CpuKernels:
         """Index of the first maximum of each row of bf16 or float32 logits [T, V] -> [T] long."""
         return self._m.argmax_rows(x)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """logits[rows[i], t] = -inf (in place) where bit t of bitmask row i is clear: float32 logits
+        [R, V], int32 bitmask [n, ceil(V / 32)] (llguidance's layout), int64 rows [n]."""
+        self._m.apply_token_bitmask(logits, bitmask, rows)
+
     # ---- GEMM -----------------------------------------------------------------------------
     def packed_gemm_available(self) -> bool:
         """Whether packed_gemm was built (it needs AVX512-BF16)."""

@@ -60,7 +60,11 @@ class ModelRunner:
         self.device = device
         self.states: dict[str, SeqState] = {}
         self.block_tables = BlockTables(cdiv(max_model_len, block_size))
-        self.sampler = Sampler(seed, kernels.argmax_rows if kernels is not None else None)
+        self.sampler = Sampler(
+            seed,
+            kernels.argmax_rows if kernels is not None else None,
+            kernels.apply_token_bitmask if kernels is not None else None,
+        )
         self.decode_kernel = None
         self.prefill_kernel = None
         if kernels is not None and kv_caches:
