@@ -8,7 +8,10 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+# Importable from here as from vLLM's sampling_params module.
+from pagedllm.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 _GREEDY_EPS = 1e-5
 # OpenAI's range. Above it sampling is uniform noise anyway; the bound keeps nonsense such as 1e39 out.
