@@ -18,6 +18,7 @@ from test_server import ServerProcess
 from test_structured_outputs import random_schema
 
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from pagedllm.models.resolve import default_model_gguf_path
 
 MODEL = "tiny"
 MAX_TOKENS = 160
@@ -271,3 +272,37 @@ def test_llama3_json_parser():
     assert p.extract("Sunny.") == ("Sunny.", [])
     assert p.extract('{"name": 3}') == ('{"name": 3}', [])
     assert p.streamable_len("  {") == 0 and p.streamable_len("<|pyth") == 0 and p.streamable_len("Sunny") == 5
+
+
+@pytest.mark.skipif(default_model_gguf_path() is None, reason="the default model is not installed")
+def test_auto_with_the_default_model(tmp_path):
+    """The model users run by default, asked a question its tools answer: the reply is text or
+    tool calls that parse and match the tools' schemas (which it is, is the model's choice)."""
+    srv = ServerProcess(
+        "smollm2-135m-instruct",
+        str(tmp_path / "server.log"),
+        "--served-model-name",
+        MODEL,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--num-kv-blocks",
+        "64",
+    )
+    try:
+        c = openai.OpenAI(base_url=srv.url("/v1"), api_key="none", max_retries=0, timeout=120)
+        for stream in (False, True):
+            kw = dict(messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=48, temperature=0)
+            if stream:
+                content, calls, finish = chat_stream_text(c, **kw)
+            else:
+                r = c.chat.completions.create(model=MODEL, **kw)
+                m, finish = r.choices[0].message, r.choices[0].finish_reason
+                content, calls = m.content, as_dicts(m) if m.tool_calls else []
+            if calls:
+                check_calls(calls)
+                assert finish == "tool_calls"
+            else:
+                assert content and finish in ("stop", "length")
+    finally:
+        srv.stop()
