@@ -22,6 +22,9 @@ class EngineConfig:
     """Everything the engine needs to start. Sizes are in tokens unless named otherwise."""
 
     model: str = "smollm2-135m-instruct"
+    # A hub name's revision in the local Hugging Face cache: a ref ("main", a branch, a tag) or a
+    # commit hash. None (vLLM's default): "main".
+    revision: str | None = None
     tokenizer: str | None = None
     tokenizer_mode: str = "auto"  # "auto": the fast tokenizer where there is one; "slow": the Python one
     # No tokenizer: prompts must be token ids, outputs carry token ids and empty text (vLLM's meaning).

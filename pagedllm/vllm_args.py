@@ -105,7 +105,6 @@ VLLM_UNSUPPORTED: dict[str, object] = {
     "quantization_param_path": None,
     "ray_workers_use_nsight": False,
     "reasoning_parser": None,
-    "revision": None,
     "rope_scaling": None,
     "rope_theta": None,
     "scheduler_cls": None,

