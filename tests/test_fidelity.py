@@ -34,11 +34,11 @@ def hf_reference(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[in
     return out
 
 
-def assert_greedy_matches_transformers(model_dir: str) -> list:
+def assert_greedy_matches_transformers(model_dir: str, **engine_kwargs) -> list:
     """fp32 greedy tokens of make_prompts() equal HF's, their logprobs within 1e-4; the outputs."""
     prompts = make_prompts()
     ref = hf_reference(model_dir, prompts)
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for (ref_toks, ref_lp), out in zip(ref, outs, strict=True):
@@ -49,11 +49,28 @@ def assert_greedy_matches_transformers(model_dir: str) -> list:
     return outs
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral", "qwen3"])
 def test_greedy_matches_transformers(tiny_model_dirs, family):
     outs = assert_greedy_matches_transformers(tiny_model_dirs[family])
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     # the tiny models must not be degenerate, or matching would prove little
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_qwen3_matches_transformers_on_each_path(tiny_model_dirs, backend):
+    """Qwen3's q/k norms on the fused CPU loop (kernels loaded) and on the reference path. The
+    whole-step decode plan has no q/k norm step, so a Qwen3 model must never build one."""
+    import pagedllm.kernels
+
+    if backend == "auto" and pagedllm.kernels.load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    llm = LLM(model=tiny_model_dirs["qwen3"], dtype="float32", num_kv_blocks=8, attention_backend=backend)
+    model = llm.llm_engine.model
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert (model.kernels is not None) == (backend == "auto")
+    assert model._decoder_plan is None
+    outs = assert_greedy_matches_transformers(tiny_model_dirs["qwen3"], attention_backend=backend)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
 
 
@@ -73,7 +90,7 @@ def test_text_prompt_and_detokenization_match_transformers(tiny_llama):
     assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "qwen2", "mistral", "qwen3"])
 def test_rope_tables_equal_transformers(tiny_model_dirs, family):
     """RoPE tables are made without transformers' LlamaRotaryEmbedding (its module is ~70 MB of
     imports); they must still be its tables bit for bit, default and scaled types alike."""

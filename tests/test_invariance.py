@@ -25,50 +25,55 @@ def run(model_dir: str, prompts, **engine_kwargs) -> tuple[list[list[int]], LLM]
     return [o.outputs[0].token_ids for o in outs], llm
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3"])  # qwen3: per-head q/k norms before RoPE
+def model_dir(request, tiny_model_dirs) -> str:
+    return tiny_model_dirs[request.param]
+
+
 @pytest.fixture(scope="module")
-def baseline(tiny_llama):
+def baseline(model_dir):
     prompts = workload()
     # one request at a time, whole prompts in one step: the simplest possible schedule
-    toks, _ = run(tiny_llama, prompts, max_num_seqs=1)
+    toks, _ = run(model_dir, prompts, max_num_seqs=1)
     return prompts, toks
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_block_size(tiny_llama, baseline, block_size):
+def test_block_size(model_dir, baseline, block_size):
     prompts, expected = baseline
-    toks, llm = run(tiny_llama, prompts, block_size=block_size, num_kv_blocks=4096 // block_size + 8)
+    toks, llm = run(model_dir, prompts, block_size=block_size, num_kv_blocks=4096 // block_size + 8)
     assert toks == expected
     assert llm.llm_engine.kv_manager.num_free_blocks() == llm.llm_engine.num_kv_blocks
 
 
-def test_large_batch(tiny_llama, baseline):
+def test_large_batch(model_dir, baseline):
     prompts, expected = baseline
-    toks, _ = run(tiny_llama, prompts, max_num_seqs=256)
+    toks, _ = run(model_dir, prompts, max_num_seqs=256)
     assert toks == expected
 
 
-def test_chunked_prefill(tiny_llama, baseline):
+def test_chunked_prefill(model_dir, baseline):
     prompts, expected = baseline
     # 7 tokens per step: every prompt longer than 7 is split, chunks mix with decodes
-    toks, _ = run(tiny_llama, prompts, max_num_batched_tokens=7)
+    toks, _ = run(model_dir, prompts, max_num_batched_tokens=7)
     assert toks == expected
 
 
-def test_preemption(tiny_llama, baseline):
+def test_preemption(model_dir, baseline):
     prompts, expected = baseline
     # 14 blocks of 8 = 112 slots: the largest request (89 + 24 tokens) fits alone, but not beside others
-    toks, llm = run(tiny_llama, prompts, block_size=8, num_kv_blocks=15)
+    toks, llm = run(model_dir, prompts, block_size=8, num_kv_blocks=15)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert toks == expected
     assert llm.llm_engine.kv_manager.num_free_blocks() == llm.llm_engine.num_kv_blocks
 
 
-def test_prefix_caching(tiny_llama, baseline):
+def test_prefix_caching(model_dir, baseline):
     prompts, expected = baseline
     shared = [7, 8, 9] * 12
     with_prefix = [shared + p for p in prompts]
-    ref, _ = run(tiny_llama, with_prefix, max_num_seqs=1, enable_prefix_caching=False)
-    toks, llm = run(tiny_llama, with_prefix, enable_prefix_caching=True, num_kv_blocks=40)
+    ref, _ = run(model_dir, with_prefix, max_num_seqs=1, enable_prefix_caching=False)
+    toks, llm = run(model_dir, with_prefix, enable_prefix_caching=True, num_kv_blocks=40)
     assert toks == ref
     _, hits = llm.llm_engine.kv_manager.prefix_cache_stats()
     assert hits > 0

@@ -49,7 +49,7 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral")
+FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3")
 
 
 def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None = None) -> str:
@@ -62,6 +62,8 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
@@ -122,6 +124,16 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
             **common,
         )
         cls = MistralForCausalLM
+    elif family == "qwen3":  # per-head q/k RMSNorm, GQA, head_dim 32 (not hidden/heads), untied
+        cfg = Qwen3Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            **common,
+        )
+        cls = Qwen3ForCausalLM
     else:
         raise ValueError(family)
     if head_dim is not None and family != "llama":

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Numerics follow Hugging Face transformers (RMSNorm in fp32, RoPE tables from transformers' own
 rope-init functions) so greedy output matches it token for token in fp32. q/k/v and gate/up
@@ -102,7 +102,9 @@ def _rope_type(hf_config) -> str:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool) -> None:
+    """``qk_norm``: RMSNorm over each head of q and k after the projection, before RoPE (Qwen3)."""
+
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -112,6 +114,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -119,6 +123,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
         o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -140,10 +146,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool) -> None:
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qkv_bias)
+        self.self_attn = Attention(cfg, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -156,6 +162,8 @@ class _FusedLayer(NamedTuple):
     """One decoder layer, resolved for the fused CPU loop (LlamaForCausalLM._forward_fused)."""
 
     qkv: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: RMSNorm | None  # per-head q / k norms before RoPE (Qwen3), or None
+    k_norm: RMSNorm | None
     o_proj: Callable[[torch.Tensor], torch.Tensor]
     gate_up_silu_mul: Callable[[torch.Tensor], torch.Tensor]  # h -> silu(gate) * up
     down_proj: Callable[[torch.Tensor], torch.Tensor]
@@ -193,6 +201,7 @@ class LlamaForCausalLM(nn.Module):
     """The decoder over a flat batch: ``forward(input_ids[T], positions[T], kv_caches, meta)``."""
 
     qkv_bias_default = False
+    qk_norm = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     def __init__(self, hf_config, max_model_len: int) -> None:
         super().__init__()
@@ -200,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, self.qk_norm) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -226,7 +235,15 @@ class LlamaForCausalLM(nn.Module):
         take the activations between them."""
         dtype = self.activation_dtype()
         norms = [self.norm] + [
-            n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+            n
+            for layer in self.layers
+            for n in (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+            )
+            if n is not None
         ]
         if (
             kernels is None
@@ -247,6 +264,8 @@ class LlamaForCausalLM(nn.Module):
         self._fused_layers = [
             _FusedLayer(
                 layer.self_attn.qkv_proj.forward,
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
                 layer.self_attn.o_proj.forward,
                 _gate_up_silu_mul(layer.mlp.gate_up_proj, kernels),
                 layer.mlp.down_proj.forward,
@@ -263,6 +282,10 @@ class LlamaForCausalLM(nn.Module):
     def _build_decoder_plan(self, kernels: CpuKernels, norms: list[RMSNorm], next_norms: list[RMSNorm]):
         """The whole-step decode loop (decoder_loop.cpp) for this model, or None where some layer
         is one it cannot run: then every step takes the fused Python loop."""
+        if self.qk_norm:
+            # The plan has no q/k norm step: running it would skip the norms. The fused Python
+            # loop applies them, so every step of such a model runs there.
+            return None
         projections = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -318,6 +341,12 @@ class LlamaForCausalLM(nn.Module):
             )
         for lyr, (k_cache, v_cache) in zip(self._fused_layers, kv_caches, strict=True):
             qkv = lyr.qkv(h)
+            if lyr.q_norm is not None:
+                # in place on the fresh qkv rows, before the kernel rotates q and k and caches k
+                q = qkv[:, :qs].view(t, nh, d)
+                k = qkv[:, qs : qs + kvs].view(t, nkv, d)
+                q.copy_(lyr.q_norm(q))
+                k.copy_(lyr.k_norm(k))
             kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
             q = qkv[:, :qs].view(t, nh, d)
             k = qkv[:, qs : qs + kvs].view(t, nkv, d)
@@ -402,6 +431,12 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen2's decoder without the q/k/v biases (unless attention_bias), with q_norm / k_norm."""
+
+    qk_norm = True
 
 
 def sliding_window(cfg) -> int | None:
