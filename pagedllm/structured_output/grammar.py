@@ -34,8 +34,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
-        # Literal alternatives: JSON string escapes are Lark string escapes.
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        return llguidance.grammar_from("choice", params.choice)
     try:  # EBNF: llama.cpp's GBNF or llguidance's Lark
         return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.structured import structured_outputs_of
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.logprobs import Logprob
+from pagedllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -78,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
     tool_parser: ToolParser | None = None
     enable_auto_tools: bool = False
 
-    def _constraint(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, object]:
+    def _constraint(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
         """The request's tool plan and output constraint (a required / named tool choice's, or
         response_format's and the like: not both)."""
         plan = plan_tools(
