@@ -170,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
         "memory_roofline_fraction": round(memory_s / wall, 3),
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_cache_tokens": engine.num_kv_blocks * engine.config.block_size,
+        # what one token of context costs in the KV cache: the number that decides how many
+        # sequences fit, and so how large a batch the scheduler can run
+        "kv_bytes_per_token": kv_per_token,
+        "architecture": ",".join(getattr(engine.hf_config, "architectures", None) or [type(model).__name__]),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
     }
