@@ -9,9 +9,10 @@ import glob
 import pytest
 import torch
 from safetensors import safe_open
+from test_cpu_kernels import assert_bf16_tokens_follow
 from test_fidelity import assert_greedy_matches_transformers
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.models.interface import CausalLM
 
 FAMILIES = ["gpt2", "opt", "opt_postln"]
@@ -142,3 +143,26 @@ def test_context_is_bounded_by_the_learned_positions(tiny_model_dirs, family):
     cfg = AutoConfig.from_pretrained(tiny_model_dirs[family])
     with pytest.raises(ValueError, match="learned positions"), torch.device("meta"):
         get_model_class(cfg)(cfg, 513)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_packed_forward_picks_reference_tokens(tiny_model_dirs, family):
+    """bf16 with the kernels (weights packed for their GEMMs, the LM head's argmax kernel on
+    greedy steps, the decode attention kernel) follows the reference path token for token,
+    except after a position where the reference's top two logprobs are a near-tie."""
+    import pagedllm.kernels
+
+    if pagedllm.kernels.load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    prompts = [[1, 5, 9, 200, 3], list(range(10, 60)), [7] * 23]
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    outs = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(model=tiny_model_dirs[family], dtype="bfloat16", num_kv_blocks=64, attention_backend=backend)
+        assert llm.llm_engine.model.packed_head is not None
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outs[backend] = [o.outputs[0] for o in llm.generate(requests, with_logprobs, use_tqdm=False)]
+        # greedy without logprobs: argmax_only steps, where the packed head skips the logits
+        greedy = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in greedy] == [o.token_ids for o in outs[backend]]
+    assert_bf16_tokens_follow(outs["auto"], outs["torch"])
