@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from test_cpu_kernels import assert_bf16_tokens_follow
 from test_fidelity import assert_greedy_matches_transformers
+from tiny_models import build_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.interface import CausalLM
@@ -34,6 +35,22 @@ def test_greedy_matches_transformers(tiny_model_dirs, family, backend):
     assert (llm.llm_engine.runner.decode_kernel is not None) == (backend == "auto")
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     # the tiny models must not be degenerate, or matching would prove little
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("gpt2", {"tie_word_embeddings": False, "activation_function": "gelu", "n_inner": 96}),
+        ("opt", {"enable_bias": False, "layer_norm_elementwise_affine": False, "_remove_final_layer_norm": True}),
+        ("opt", {"tie_word_embeddings": False, "activation_function": "gelu"}),
+    ],
+)
+def test_config_variants_match_transformers(tmp_path, family, overrides):
+    """The options the tiny families leave at their defaults: an untied head, other activations
+    and MLP widths, no biases, LayerNorms without weights, OPT's removed final LayerNorm."""
+    model_dir = build_model(family, str(tmp_path / family), config_overrides=overrides)
+    outs = assert_greedy_matches_transformers(model_dir, attention_backend="torch")
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
 
 

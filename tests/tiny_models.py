@@ -54,9 +54,12 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
 FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gpt2", "opt", "opt_postln")
 
 
-def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None = None) -> str:
+def build_model(
+    family: str, out_dir: str, seed: int = 0, head_dim: int | None = None, config_overrides: dict | None = None
+) -> str:
     """Writes a tiny checkpoint of the family into out_dir (if not already there). ``head_dim``:
-    "llama" only, an explicit head size instead of hidden_size / heads (16)."""
+    "llama" only, an explicit head size instead of hidden_size / heads (16). ``config_overrides``:
+    config attributes set before the model is built (a variant of the family)."""
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
@@ -173,6 +176,8 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
         raise ValueError(family)
     if head_dim is not None and family != "llama":
         raise ValueError(f"head_dim is a 'llama' option, not {family!r}'s")
+    for name, value in (config_overrides or {}).items():
+        setattr(cfg, name, value)
     torch.manual_seed(seed)
     model = cls(cfg)
     # post-LN through a 32-wide projection: at 0.15 its greedy output settles on a handful of tokens

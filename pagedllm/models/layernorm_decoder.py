@@ -53,6 +53,10 @@ class DecoderSpec:
     prescale_query: bool  # q * scale before attention, attention at scale 1 (OPT's order)
     tie_word_embeddings: bool
 
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of the {self.num_heads} heads")
+
 
 def check_activation(name: str, family: str) -> None:
     if name not in ACTIVATIONS:
