@@ -162,21 +162,31 @@ def test_context_is_bounded_by_the_learned_positions(tiny_model_dirs, family):
         get_model_class(cfg)(cfg, 513)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_packed_forward_picks_reference_tokens(tiny_model_dirs, family):
+HEAD_DIM_64 = {"n_embd": 128, "n_head": 2}  # the compiled prefill attention kernel's head size
+
+
+@pytest.mark.parametrize("family, overrides", [*((f, None) for f in FAMILIES), ("gpt2", HEAD_DIM_64)])
+def test_bf16_packed_forward_picks_reference_tokens(tiny_model_dirs, tmp_path, family, overrides):
     """bf16 with the kernels (weights packed for their GEMMs, the LM head's argmax kernel on
-    greedy steps, the decode attention kernel) follows the reference path token for token,
-    except after a position where the reference's top two logprobs are a near-tie."""
+    greedy steps, the decode attention kernel, the prefill one at head_dim 64 where it is built)
+    follows the reference path token for token, except after a position where the reference's
+    top two logprobs are a near-tie."""
     import pagedllm.kernels
 
-    if pagedllm.kernels.load_cpu_kernels() is None:
+    kernels = pagedllm.kernels.load_cpu_kernels()
+    if kernels is None:
         pytest.skip("CPU kernels not built here")
+    model_dir = tiny_model_dirs[family]
+    if overrides is not None:
+        model_dir = build_model(family, str(tmp_path), config_overrides=overrides)
     prompts = [[1, 5, 9, 200, 3], list(range(10, 60)), [7] * 23]
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     outs = {}
     for backend in ("auto", "torch"):
-        llm = LLM(model=tiny_model_dirs[family], dtype="bfloat16", num_kv_blocks=64, attention_backend=backend)
+        llm = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=64, attention_backend=backend)
         assert llm.llm_engine.model.packed_head is not None
+        if backend == "auto" and overrides is HEAD_DIM_64 and kernels.prefill_attention_available(64, 16):
+            assert llm.llm_engine.runner.prefill_kernel is not None
         requests = [{"prompt_token_ids": p} for p in prompts]
         outs[backend] = [o.outputs[0] for o in llm.generate(requests, with_logprobs, use_tqdm=False)]
         # greedy without logprobs: argmax_only steps, where the packed head skips the logits
