@@ -43,23 +43,32 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if ("norm" in name or ".ln_" in name) and name.endswith(".bias"):  # LayerNorm (GPT-2, OPT)
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "norm" in name or ".ln_" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3")
+FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gpt2", "opt", "opt_postln")
 
 
-def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None = None) -> str:
+def build_model(
+    family: str, out_dir: str, seed: int = 0, head_dim: int | None = None, config_overrides: dict | None = None
+) -> str:
     """Writes a tiny checkpoint of the family into out_dir (if not already there). ``head_dim``:
-    "llama" only, an explicit head size instead of hidden_size / heads (16)."""
+    "llama" only, an explicit head size instead of hidden_size / heads (16). ``config_overrides``:
+    config attributes set before the model is built (a variant of the family)."""
     from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -134,13 +143,45 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
             **common,
         )
         cls = Qwen3ForCausalLM
+    elif family == "gpt2":  # Conv1D weights, fused c_attn, learned positions, tied head
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        cls = GPT2LMHeadModel
+    elif family in ("opt", "opt_postln"):
+        # "opt": pre-LN as OPT-125m; "opt_postln": post-LN with word embeddings narrower than the
+        # hidden size (project_in / project_out), as OPT-350m, and so no final LayerNorm
+        post = family == "opt_postln"
+        cfg = OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            do_layer_norm_before=not post,
+            word_embed_proj_dim=32 if post else 64,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        cls = OPTForCausalLM
     else:
         raise ValueError(family)
     if head_dim is not None and family != "llama":
         raise ValueError(f"head_dim is a 'llama' option, not {family!r}'s")
+    for name, value in (config_overrides or {}).items():
+        setattr(cfg, name, value)
     torch.manual_seed(seed)
     model = cls(cfg)
-    _init(model, std=0.15, seed=seed)
+    # post-LN through a 32-wide projection: at 0.15 its greedy output settles on a handful of tokens
+    _init(model, std=0.3 if family == "opt_postln" else 0.15, seed=seed)
     if family == "qwen2":  # make the biases matter
         with torch.no_grad():
             for layer in model.model.layers:

@@ -139,6 +139,13 @@ def pack_linears(
     return packed
 
 
+def packed_lm_head(weight: torch.Tensor, kernels: CpuKernels | None = None) -> PackedLinear:
+    """The LM head over ``weight`` [vocab, hidden] (the embedding itself when tied) as a PackedLinear."""
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    return PackedLinear(head, kernels)
+
+
 def place_on_huge_pages(layers: list[PackedLinear]) -> bool:
     """Moves the layers' streamed weight copies into one huge-page buffer; False if not possible."""
     movable = [layer for layer in layers if layer.streamed_weight() is not None]

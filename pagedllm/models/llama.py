@@ -18,6 +18,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import attend, paged_attention, timing_attention
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.models.weight_copy import check_all_loaded, copy_weight
 
 logger = logging.getLogger("pagedllm")
 
@@ -373,17 +374,19 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self, kernels: CpuKernels | None = None) -> int:
         """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers
         packed. ``kernels``: the compiled CPU kernels (packed_gemm), or None for oneDNN."""
-        from pagedllm.models.cpu_linear import PackedLinear, pack_linears, place_on_huge_pages
+        from pagedllm.models.cpu_linear import pack_linears, packed_lm_head, place_on_huge_pages
 
         packed = pack_linears(self.layers, kernels, fuse_silu_mul_names=("gate_up_proj",))
         if packed:
             w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-            head.weight = nn.Parameter(w, requires_grad=False)
-            self.packed_head = PackedLinear(head, kernels)
+            self.packed_head = packed_lm_head(w, kernels)
             packed.append(self.packed_head)
             place_on_huge_pages(packed)
         return len(packed)
+
+    def init_computed_buffers(self, device: torch.device) -> None:
+        """RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does)."""
+        self.rope = RotaryEmbedding(self.config, self.rope.cos.shape[0]).to(device)
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_weights(self, tensors) -> None:
@@ -416,17 +419,9 @@ class LlamaForCausalLM(nn.Module):
                     name = key
                 else:
                     continue
-            if name not in own:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            p = own[name]
-            if p.shape != t.shape:
-                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(t)
+            copy_weight(own, name, t)
             loaded.add(name)
-        missing = sorted(set(own) - loaded)
-        if pending or missing:
-            raise ValueError(f"checkpoint is missing weights: {missing or sorted(pending)}")
+        check_all_loaded(own, loaded, pending)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
-from pagedllm.models.llama import RotaryEmbedding
+from pagedllm.models.interface import CausalLM
 from pagedllm.models.plain_config import read_plain_config
 from pagedllm.models.registry import get_model_class
 
@@ -75,8 +74,9 @@ def load_model(
     max_model_len: int,
     pack_weights: bool = True,
     cpu_kernels=None,
-) -> nn.Module:
-    """``cpu_kernels``: the compiled CPU kernels (pagedllm.kernels) for the fused CPU path (bf16 and
+) -> CausalLM:
+    """Any registered family (registry.py), through the CausalLM contract only. ``cpu_kernels``:
+    the compiled CPU kernels (pagedllm.kernels) for the families' fused CPU paths (bf16 and
     float32; bf16 weights also packed for their GEMMs), or None."""
     cls = get_model_class(hf_config)
     with torch.device("meta"):
@@ -84,15 +84,15 @@ def load_model(
     # Materialise on the target device in the target dtype, then fill from the checkpoint.
     model = model.to_empty(device=device).to(dtype=dtype)
     model.load_hf_weights(iter_safetensors(model_dir))
-    # RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does).
-    model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
+    # to_empty left the non-persistent buffers (RoPE tables...) uninitialised: the model remakes them
+    model.init_computed_buffers(device)
     model.eval()
     model.requires_grad_(False)
     # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
     model.num_params = sum(p.numel() for p in model.parameters())
     if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
         model.pack_for_cpu(cpu_kernels)
-    if cpu_kernels is not None and hasattr(model, "enable_cpu_kernels"):
+    if cpu_kernels is not None and hasattr(model, "enable_cpu_kernels"):  # optional: a fused layer path
         model.enable_cpu_kernels(cpu_kernels)
     logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)
     return model

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedllm.models.opt import OPTForCausalLM
 
+# Every class here provides pagedllm.models.interface.CausalLM.
 _MODELS: dict[str, type[nn.Module]] = {
+    "GPT2LMHeadModel": GPT2LMHeadModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
 }
 
 
