@@ -19,11 +19,14 @@ def llm():
     return LLM(kv_cache_memory_gib=0.25)  # the default name: smollm2-135m-instruct, dtype auto
 
 
+# A prompt the 135M model answers with a clear margin: to "What is the capital of France?" its first
+# token is a near-tie ("The" 15% vs "L" 14%), which int8 activation rounding or a float summation
+# order flips, so that prompt tested the CPU's rounding rather than the engine.
 def test_default_model_names_paris(llm):
     from pagedllm import SamplingParams
 
     out = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name the capital of France."}],
         SamplingParams(temperature=0, max_tokens=32),
         use_tqdm=False,
     )[0]
@@ -34,5 +37,5 @@ def test_default_model_names_paris(llm):
 def test_cli_generate(capsys):
     from pagedllm.entrypoints.cli import main
 
-    assert main(["generate", "What is the capital of France?", "--kv-cache-memory-gib", "0.25"]) == 0
+    assert main(["generate", "Name the capital of France.", "--kv-cache-memory-gib", "0.25"]) == 0
     assert "Paris" in capsys.readouterr().out

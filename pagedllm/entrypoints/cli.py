@@ -23,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed_sampling,
     )
-    prompts = args.prompt or ["What is the capital of France?"]
+    prompts = args.prompt or ["Name the capital of France."]
     tok = llm.get_tokenizer()
     use_chat = not args.no_chat and bool(getattr(tok, "chat_template", None))
     if use_chat:
