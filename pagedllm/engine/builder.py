@@ -19,7 +19,7 @@ from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
 from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.hub_cache import is_repo_id
-from pagedllm.models.llama import sliding_window
+from pagedllm.models.llama import layer_windows, sliding_window
 from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
@@ -96,7 +96,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         )
 
     kv_caches = caches(num_kv_blocks, device)
-    kv_manager = make_kv_manager(config, num_kv_blocks, max_model_len)
+    kv_manager = make_kv_manager(config, num_kv_blocks, max_model_len, release_window(hf_config))
     num_swap_blocks = _enable_swap(config, kv_manager, per_block)
     # Pinned host memory would make device->host copies asynchronous on CUDA; CPU: plain.
     host_caches = caches(num_swap_blocks, torch.device("cpu")) if num_swap_blocks else None
@@ -220,6 +220,15 @@ def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_blo
             raise ValueError(f"preemption_mode='swap' needs kv_layout='paged' ({e}).") from e
         return 0  # "auto": this layout only recomputes
     return num_host
+
+
+def release_window(hf_config) -> int | None:
+    """The window out of which KV blocks can be released: the widest, when every layer attends
+    through one (a full-attention layer needs every block while its sequence lives)."""
+    windows = layer_windows(hf_config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 def resolve_max_model_len(hf_config, wanted: int | None, disable_sliding_window: bool = False) -> int:

@@ -93,6 +93,11 @@ class KVCacheManager(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> KVCacheStats: ...
 
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """After a step: frees the sequence's blocks no query of it can see any more (all layers
+        windowed); returns how many. Managers that keep every block return 0."""
+        return 0
+
     def cache_computed_blocks(self, seq: Sequence) -> None:  # noqa: B027 (optional: no prefix cache)
         """Registers the sequence's full, written blocks in the prefix cache (if it has one)."""
 
