@@ -11,6 +11,7 @@ import torch
 from test_attention import build_batch
 
 from pagedllm.attention.paged_attention import paged_attention
+from pagedllm.kernels import load_cpu_kernels
 from pagedllm.kv.base import NULL_BLOCK
 
 
@@ -83,3 +84,24 @@ def test_window_none_is_full_causal_attention():
     narrow = paged_attention(q, k, v, kc, vc, meta, 0.25, window=4)
     torch.testing.assert_close(full, wide)
     assert not torch.allclose(full, narrow)
+
+
+kernels = load_cpu_kernels()
+
+
+@pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels could not be built here")
+@pytest.mark.parametrize("block_size,h,hkv,d,window", CASES + [(16, 9, 3, 64, 200), (8, 6, 2, 128, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_window_equals_dense(block_size, h, hkv, d, window, dtype):
+    """The compiled decode kernel reads only the window: released blocks hold NaN, so reading one
+    (even masked) would show. Lengths split into several key chunks are included."""
+    decode_lens = [1, 2, 5, 17, 40, 64, 129, 300, 513]
+    q, k, v, kc, vc, meta, dense = build_batch(block_size, h, hkv, d, 4, decode_lens, [], dtype)
+    paged_attention(q, k, v, kc, vc, meta, 0.1)  # writes the step's K/V into the caches
+    release_out_of_window(kc, vc, meta, window, float("nan"))
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, 0.1, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (k_all, v_all, ctx) in enumerate(dense):
+        ref = dense_window_attention(q[i : i + 1], k_all, v_all, ctx, 0.1, window)
+        torch.testing.assert_close(out[i : i + 1].float(), ref, atol=tol, rtol=tol)

@@ -62,6 +62,9 @@ def assert_matches(outs, ref) -> None:
 def test_windowed_generation_matches_transformers(tiny_mistral_windowed, hf_greedy, backend):
     outs, llm = generate(tiny_mistral_windowed, attention_backend=backend)
     assert llm.llm_engine.max_model_len == 512  # the model's: the window caps nothing
+    model = llm.llm_engine.model
+    # with the kernels, decode-only steps run the whole-step plan, windows included
+    assert (model._decoder_plan is not None) == (model.kernels is not None)
     assert_matches(outs, hf_greedy)
     # not degenerate (test_the_window_changes_the_output: the window matters here)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20

@@ -105,14 +105,14 @@ def _attend(
 ) -> torch.Tensor:
     out = query.new_empty(query.shape)
     nd = meta.num_decodes
-    # The compiled kernels take no window yet: windowed layers run the reference path.
-    if nd and meta.decode_kernel is not None and window is None:
+    if nd and meta.decode_kernel is not None:
         # The kernel writes the decode rows of the output in place.
         meta.decode_kernel(
-            out[:nd], query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            out[:nd], query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window
         )
     elif nd:
         out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale, window)
+    # The compiled prefill kernel takes no window: windowed layers' chunks run the reference path.
     if meta.prefills and meta.prefill_kernel is not None and window is None:
         # One call for every chunk; it reads the chunks' own K/V back from the cache too.
         meta.prefill_kernel(out, query, k_cache, v_cache, *meta.prefill_batch(), scale)

@@ -6,8 +6,9 @@
 
 #include <string>
 
+// window > 0: a sliding window (keys seq_len - window .. seq_len - 1 only); <= 0: none.
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                           int64_t num_kv_heads);

@@ -289,8 +289,6 @@ class LlamaForCausalLM(nn.Module):
             # The plan has no q/k norm step: running it would skip the norms. The fused Python
             # loop applies them, so every step of such a model runs there.
             return None
-        if any(layer.self_attn.window is not None for layer in self.layers):
-            return None  # the plan's attention takes no window yet
         projections = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -304,8 +302,9 @@ class LlamaForCausalLM(nn.Module):
             weights += [post.weight.detach(), nxt.weight.detach()]
             eps += [post.eps, nxt.eps]
         attn = self.layers[0].self_attn
+        windows = [layer.self_attn.window for layer in self.layers]
         return kernels.decoder_plan(
-            projections, weights, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+            projections, weights, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, windows
         )
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
