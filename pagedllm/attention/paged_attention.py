@@ -112,10 +112,9 @@ def _attend(
         )
     elif nd:
         out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale, window)
-    # The compiled prefill kernel takes no window: windowed layers' chunks run the reference path.
-    if meta.prefills and meta.prefill_kernel is not None and window is None:
+    if meta.prefills and meta.prefill_kernel is not None:
         # One call for every chunk; it reads the chunks' own K/V back from the cache too.
-        meta.prefill_kernel(out, query, k_cache, v_cache, *meta.prefill_batch(), scale)
+        meta.prefill_kernel(out, query, k_cache, v_cache, *meta.prefill_batch(), scale, window)
         return out
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)

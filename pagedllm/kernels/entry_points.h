@@ -19,7 +19,7 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
 bool prefill_attention_available(int64_t head_dim, int64_t block_size);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
-                             torch::Tensor context_lens, double scale);
+                             torch::Tensor context_lens, double scale, int64_t window);
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           const std::string& epilogue);
 bool packed_gemm_available();

@@ -84,12 +84,15 @@ class CpuKernels:
         query_lens: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> None:
         """Causal attention of every prefill chunk of a step (rows query_starts[i] + [0,
         query_lens[i]) of q / out), each over its context_lens[i] earlier keys plus itself, read
-        through block_tables. The chunks' own K/V must already be in the cache."""
+        through block_tables. The chunks' own K/V must already be in the cache. ``window``: a
+        sliding window (each query sees its last ``window`` keys; blocks before a chunk's first
+        query's window are never read), or None."""
         self._m.paged_prefill_attention(
-            out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale
+            out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window or 0
         )
 
     def rope_and_cache_write(
