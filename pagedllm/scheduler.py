@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.kv.base import KVCacheManager
+from pagedllm.kv.base import NULL_BLOCK, KVCacheManager
 from pagedllm.logprobs import Logprob
 from pagedllm.scheduler_output import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 from pagedllm.sequence import Sequence, SequenceStatus
@@ -67,6 +67,8 @@ class Scheduler:
         self.num_swap_preemptions = 0  # of num_preemptions, those by swapping
         # The block table the runner holds for each sequence, as last sent.
         self._sent_tables: dict[str, list[int]] = {}
+        # How many leading entries of each sent table are known released (NULL_BLOCK) runner-side.
+        self._sent_released: dict[str, int] = {}
         self._finished_ids: set[str] = set()  # gone since the last schedule()
         self._preempted_ids: set[str] = set()
 
@@ -251,6 +253,13 @@ class Scheduler:
                 # Only blocks from the first one this step writes can have been replaced (COW).
                 first = min(seq.num_computed_tokens // bs, len(sent))
                 replaced = [(j, table[j]) for j in range(first, len(sent)) if table[j] != sent[j]]
+                # ... and, before them, blocks released out of the sliding window (a prefix).
+                k = self._sent_released.get(seq_id, 0)
+                while k < first and table[k] == NULL_BLOCK:
+                    if sent[k] != NULL_BLOCK:
+                        replaced.append((k, NULL_BLOCK))
+                    k += 1
+                self._sent_released[seq_id] = k
                 for j, b in replaced:
                     sent[j] = b
                 new_blocks = table[len(sent) :]
@@ -264,11 +273,14 @@ class Scheduler:
                         seq.num_computed_tokens,
                     )
                 )
+            if sent is None:
+                self._sent_released[seq_id] = 0
             self._sent_tables[seq_id] = list(table) if sent is None else sent
             seq.num_tokens_sent = seq.num_tokens
 
     def _forget_table(self, seq: Sequence) -> None:
         self._sent_tables.pop(seq.seq_id, None)
+        self._sent_released.pop(seq.seq_id, None)
 
     def _has_runnable_outside(self) -> bool:
         return any(not r.is_idle for r in self.waiting) or any(not r.is_idle for u in self.swapped for r in u)
@@ -383,7 +395,8 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed_tokens += n
-            self.kv.cache_computed_blocks(seq)
+            self.kv.cache_computed_blocks(seq)  # before the release: released full blocks stay cached
+            self.kv.release_out_of_window(seq)
         for seq_id, chunk in sampled.prompt_logprobs.items():
             seq = self.seqs.get(seq_id)
             if seq is not None:
@@ -410,5 +423,6 @@ class Scheduler:
         they are sent whole next time (computed counts did not advance)."""
         for seq_id in out.num_scheduled_tokens:
             self._sent_tables.pop(seq_id, None)
+            self._sent_released.pop(seq_id, None)
         self._finished_ids |= out.finished_seq_ids
         self._preempted_ids |= out.preempted_seq_ids

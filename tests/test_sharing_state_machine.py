@@ -6,6 +6,10 @@ step's tokens are "written" to the slots their block table names, and the record
 (copies, swaps) are replayed on the model in order. So a fork must really share its parent's
 contents, a write must never land in a block someone else still holds (that is what
 copy-on-write is for), and a swapped-out sequence must come back with its tokens intact.
+
+With a sliding window, sequences also release the blocks out of it (as the scheduler does after
+each step): exactly those wholly before num_computed_tokens - window become NULL_BLOCK entries,
+holding no reference, and every token after them is still there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedllm.kv.base import NULL_BLOCK
 from pagedllm.kv.paged import PagedKVCacheManager, cdiv
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence
@@ -30,13 +35,19 @@ TEMPLATES = [[_rng.randrange(ALPHABET) for _ in range(MAX_PROMPT)] for _ in rang
 
 
 class ShareMachine(RuleBasedStateMachine):
-    @initialize(block_size=st.sampled_from([1, 2, 4]), caching=st.booleans(), data=st.data())
-    def setup(self, block_size, caching, data):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.booleans(),
+        window=st.sampled_from([None, 1, 3, 6]),
+        data=st.data(),
+    )
+    def setup(self, block_size, caching, window, data):
         per_seq = cdiv(MAX_TOKENS, block_size)
         num_blocks = data.draw(st.integers(per_seq, 3 * per_seq), label="num_blocks")
         num_host = data.draw(st.integers(0, 2 * per_seq), label="num_host_blocks")
         self.bs = block_size
-        self.kv = PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.window = window
+        self.kv = PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, release_window=window)
         self.kv.enable_swap(max(1, num_host))
         self.running: dict[str, Sequence] = {}
         self.swapped: dict[str, Sequence] = {}
@@ -90,12 +101,14 @@ class ShareMachine(RuleBasedStateMachine):
         for i, b in enumerate(table):
             if i < len(old_table) and b == old_table[i] or i < len(cached) and b == cached[i]:
                 continue
+            assert b != NULL_BLOCK, "allocate_slots released a block"
             assert b in free_before, f"block {b} handed out while referenced"
             if i < len(old_table):
                 assert b not in old_table  # copy-on-write replaced a shared block
         self.replay_ops()
         for p in range(req.num_computed_tokens, req.num_computed_tokens + num_new):
             b = table[p // self.bs]
+            assert b != NULL_BLOCK, f"writing position {p} into a released block"
             assert kv.pool.ref_cnt[b] == 1, f"writing into block {b}, held {kv.pool.ref_cnt[b]} times"
             self.content[b][p % self.bs] = req.all_token_ids[p]
         req.num_computed_tokens += num_new
@@ -155,7 +168,7 @@ class ShareMachine(RuleBasedStateMachine):
         if parent.seq_id in self.running:
             table = self.kv.block_table(child.seq_id)
             assert table == self.kv.block_table(parent.seq_id)
-            for b in set(table):
+            for b in set(table) - {NULL_BLOCK}:
                 assert self.kv.pool.ref_cnt[b] == refs_before[b] + table.count(b)
             self.running[child.seq_id] = child
         else:
@@ -210,10 +223,31 @@ class ShareMachine(RuleBasedStateMachine):
             return
         assert self.kv.num_free_blocks() >= reserve
         for r in reqs:
-            assert set(self.kv.block_table(r.seq_id)) <= free_before
+            assert set(self.kv.block_table(r.seq_id)) - {NULL_BLOCK} <= free_before
         self.replay_ops()
         for r in reqs:
             self.running[r.seq_id] = self.swapped.pop(r.seq_id)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def release(self, data):
+        """After a step: the sequence's blocks out of the window go back to the pool."""
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        table = list(self.kv.block_table(req.seq_id))
+        refs = list(self.kv.pool.ref_cnt)
+        n = self.kv.release_out_of_window(req)
+        after = self.kv.block_table(req.seq_id)
+        if self.window is None:
+            assert n == 0 and after == table
+            return
+        end = min(max(0, req.num_computed_tokens - self.window) // self.bs, len(table))
+        assert after == [NULL_BLOCK] * end + table[end:]
+        dropped = Counter(b for b in table[:end] if b != NULL_BLOCK)
+        assert n == sum(dropped.values())
+        for b, k in dropped.items():
+            assert self.kv.pool.ref_cnt[b] == refs[b] - k  # shared ones stay with their other holders
+        if n:
+            event("released blocks")
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -231,6 +265,16 @@ class ShareMachine(RuleBasedStateMachine):
         d = data.draw(st.sampled_from(where))
         self.kv.free(d.pop(data.draw(st.sampled_from(sorted(d)))))
 
+    def first_live(self, req: Sequence, table: list[int]) -> int:
+        """Index of the table's first held block: released ones (a prefix) lie wholly before the
+        window of the sequence's next query but one."""
+        n = 0
+        while n < len(table) and table[n] == NULL_BLOCK:
+            n += 1
+        if n:
+            assert self.window is not None and n * self.bs <= req.num_computed_tokens - self.window
+        return n
+
     # ---- invariants ----
     @invariant()
     def consistent(self):
@@ -242,17 +286,19 @@ class ShareMachine(RuleBasedStateMachine):
         for rid, req in self.running.items():
             table = kv.block_table(rid)
             assert len(table) >= cdiv(req.num_computed_tokens, bs)
-            for b in table:
+            first_live = self.first_live(req, table)
+            for b in table[first_live:]:
                 holders[b] += 1
                 assert not kv.pool.is_free(b)
-            for p in range(req.num_computed_tokens):
+            for p in range(first_live * bs, req.num_computed_tokens):
                 assert self.content[table[p // bs]][p % bs] == req.all_token_ids[p], f"{rid}: token {p} lost"
         host_holders: Counter = Counter()
         for rid, req in self.swapped.items():
             table = kv._host_tables[rid]
-            for b in table:
+            first_live = self.first_live(req, table)
+            for b in table[first_live:]:
                 host_holders[b] += 1
-            for p in range(req.num_computed_tokens):
+            for p in range(first_live * bs, req.num_computed_tokens):
                 assert self.host[table[p // bs]][p % bs] == req.all_token_ids[p], f"{rid}: swapped token {p} lost"
         for rid in self.waiting:
             assert rid not in kv._tables and rid not in kv._host_tables

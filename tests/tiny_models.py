@@ -55,11 +55,17 @@ FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gpt2", "opt", 
 
 
 def build_model(
-    family: str, out_dir: str, seed: int = 0, head_dim: int | None = None, config_overrides: dict | None = None
+    family: str,
+    out_dir: str,
+    seed: int = 0,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    config_overrides: dict | None = None,
 ) -> str:
     """Writes a tiny checkpoint of the family into out_dir (if not already there). ``head_dim``:
-    "llama" only, an explicit head size instead of hidden_size / heads (16). ``config_overrides``:
-    config attributes set before the model is built (a variant of the family)."""
+    "llama" only, an explicit head size instead of hidden_size / heads (16). ``sliding_window``:
+    "mistral" only, its attention window (default 4096: wider than any test's context).
+    ``config_overrides``: config attributes set before the model is built (a variant of the family)."""
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
@@ -128,7 +134,7 @@ def build_model(
             num_key_value_heads=2,
             head_dim=64,
             tie_word_embeddings=False,
-            sliding_window=4096,
+            sliding_window=sliding_window or 4096,
             rope_theta=10000.0,
             **common,
         )
@@ -176,6 +182,8 @@ def build_model(
         raise ValueError(family)
     if head_dim is not None and family != "llama":
         raise ValueError(f"head_dim is a 'llama' option, not {family!r}'s")
+    if sliding_window is not None and family != "mistral":
+        raise ValueError(f"sliding_window is a 'mistral' option, not {family!r}'s")
     for name, value in (config_overrides or {}).items():
         setattr(cfg, name, value)
     torch.manual_seed(seed)

@@ -19,7 +19,7 @@ from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
 from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.hub_cache import is_repo_id
-from pagedllm.models.llama import sliding_window
+from pagedllm.models.llama import layer_windows, sliding_window
 from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
@@ -59,7 +59,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     native_gguf = native_gguf_path(config)
     model_path = resolve_model_path(config.model, weights=native_gguf is None, revision=config.revision)
     hf_config = load_hf_config(model_path)
-    max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
+    max_model_len = resolve_max_model_len(hf_config, config.max_model_len, config.disable_sliding_window)
+    if config.disable_sliding_window:
+        # vLLM's meaning: every layer attends to the whole context, which the cap above keeps
+        # within the window, so the outputs are the windowed model's.
+        hf_config.sliding_window = None
     dtype = resolve_dtype(config.dtype, hf_config, device)
     t0 = time.perf_counter()
     kernels = None
@@ -92,7 +96,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         )
 
     kv_caches = caches(num_kv_blocks, device)
-    kv_manager = make_kv_manager(config, num_kv_blocks, max_model_len)
+    kv_manager = make_kv_manager(config, num_kv_blocks, max_model_len, release_window(hf_config))
     num_swap_blocks = _enable_swap(config, kv_manager, per_block)
     # Pinned host memory would make device->host copies asynchronous on CUDA; CPU: plain.
     host_caches = caches(num_swap_blocks, torch.device("cpu")) if num_swap_blocks else None
@@ -218,11 +222,23 @@ def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_blo
     return num_host
 
 
-def resolve_max_model_len(hf_config, wanted: int | None) -> int:
+def release_window(hf_config) -> int | None:
+    """The window out of which KV blocks can be released: the widest, when every layer attends
+    through one (a full-attention layer needs every block while its sequence lives)."""
+    windows = layer_windows(hf_config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
+def resolve_max_model_len(hf_config, wanted: int | None, disable_sliding_window: bool = False) -> int:
+    """The context length: the model's, or ``wanted`` within it. Sliding-window layers attend
+    through their window at any length; ``disable_sliding_window`` (vLLM's) makes them attend to
+    everything instead, and so caps the context at the smallest window."""
     model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
     window = sliding_window(hf_config)
-    if window is not None and window < model_len:
-        logger.warning("sliding window %d < context %d: max_model_len capped at the window", window, model_len)
+    if disable_sliding_window and window is not None and window < model_len:
+        logger.info("disable_sliding_window: max_model_len capped at the sliding window %d", window)
         model_len = window
     if wanted is None:
         return model_len

@@ -155,12 +155,13 @@ std::vector<int64_t> balanced_split(int64_t n, int64_t parts, Cost cost) {
 // and the block ids it covers within the cache. A bad table from a bug upstream is then an
 // exception (one failed step, contained by the engine) rather than a read or write anywhere in
 // memory. O(blocks) per sequence: nothing next to the attention over those blocks.
+// first_key: the first key read (a sliding window's start); the blocks before it may be released.
 inline void check_block_table_row(const char* who, int64_t seq, const int64_t* table, int64_t max_blocks, int64_t len,
-                                  int64_t num_blocks, int64_t block_size) {
+                                  int64_t num_blocks, int64_t block_size, int64_t first_key = 0) {
   TORCH_CHECK(len >= 0 && len <= max_blocks * block_size, who, ": sequence ", seq, " has length ", len,
               ", more than its block table row holds (", max_blocks, " blocks of ", block_size, ")");
   const int64_t n = (len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < n; ++b)
+  for (int64_t b = first_key / block_size; b < n; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, who, ": sequence ", seq, " block ", b, " is ", table[b],
                 ", outside the cache's ", num_blocks, " blocks");
 }

@@ -48,11 +48,14 @@ class DecoderPlan {
   using PartSpec = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>>;
 
   // projections: 4 per layer (qkv, o, gate_up, down); norms / eps: 2 per layer (the post-attention
-  // norm, then the next layer's input norm, or the final norm after the last layer).
+  // norm, then the next layer's input norm, or the final norm after the last layer). windows: each
+  // layer's sliding attention window (<= 0: none), as paged_decode_attention takes it.
   DecoderPlan(const std::vector<std::vector<PartSpec>>& projections, std::vector<torch::Tensor> norms,
-              std::vector<double> eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale)
+              std::vector<double> eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+              std::vector<int64_t> windows)
       : norms_(std::move(norms)),
         eps_(std::move(eps)),
+        windows_(std::move(windows)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -61,6 +64,7 @@ class DecoderPlan {
     layers_ = static_cast<int64_t>(projections.size() / 4);
     TORCH_CHECK(static_cast<int64_t>(norms_.size()) == 2 * layers_ && static_cast<int64_t>(eps_.size()) == 2 * layers_,
                 "DecoderPlan: 2 norms per layer");
+    TORCH_CHECK(static_cast<int64_t>(windows_.size()) == layers_, "DecoderPlan: one window per layer");
     for (const auto& specs : projections) {
       TORCH_CHECK(!specs.empty(), "DecoderPlan: a projection without parts");
       Projection proj;
@@ -88,7 +92,7 @@ class DecoderPlan {
       rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_);
       torch::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads_, head_dim_});
       torch::Tensor o = torch::empty({t, num_heads_, head_dim_}, q.options());
-      paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale_);
+      paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale_, windows_[l]);
       h = add_rms_norm(run(p[1], o.view({t, qs})), residual, norms_[2 * l], eps_[2 * l]);
       torch::Tensor m = run(p[3], silu_and_mul(run(p[2], h)));
       h = add_rms_norm(m, residual, norms_[2 * l + 1], eps_[2 * l + 1]);
@@ -100,6 +104,7 @@ class DecoderPlan {
   std::vector<Projection> projections_;
   std::vector<torch::Tensor> norms_;
   std::vector<double> eps_;
+  std::vector<int64_t> windows_;
   int64_t layers_ = 0, num_heads_, num_kv_heads_, head_dim_;
   double scale_;
 };
@@ -108,7 +113,7 @@ void bind_decoder_plan(pybind11::module_& m) {
   pybind11::class_<DecoderPlan>(m, "DecoderPlan",
                                 "a decode step through every decoder layer in one call (float32 activations)")
       .def(pybind11::init<const std::vector<std::vector<DecoderPlan::PartSpec>>&, std::vector<torch::Tensor>,
-                          std::vector<double>, int64_t, int64_t, int64_t, double>())
+                          std::vector<double>, int64_t, int64_t, int64_t, double, std::vector<int64_t>>())
       // No Python object is touched inside: other threads (the server's) run while a step does.
       .def("decode", &DecoderPlan::decode, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -6,8 +6,9 @@
 
 #include <string>
 
+// window > 0: a sliding window (keys seq_len - window .. seq_len - 1 only); <= 0: none.
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                           int64_t num_kv_heads);
@@ -18,7 +19,7 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
 bool prefill_attention_available(int64_t head_dim, int64_t block_size);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
-                             torch::Tensor context_lens, double scale);
+                             torch::Tensor context_lens, double scale, int64_t window);
 torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           const std::string& epilogue);
 bool packed_gemm_available();

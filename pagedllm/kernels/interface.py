@@ -61,10 +61,13 @@ class CpuKernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> None:
         """out[i] <- softmax(q[i] k^T * scale) v over sequence i's first seq_lens[i] keys, K/V read
-        in place through block_tables [n, max_blocks] (long). q, out: [n, heads, head_dim]."""
-        self._m.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+        in place through block_tables [n, max_blocks] (long). q, out: [n, heads, head_dim].
+        ``window``: a sliding window W (only the last W keys; the blocks before them are never
+        read, their entries may be NULL_BLOCK), or None. Windowed bf16 runs the portable path."""
+        self._m.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0)
 
     def prefill_attention_available(self, head_dim: int, block_size: int) -> bool:
         """Whether paged_prefill_attention runs here for this head_dim and block_size."""
@@ -81,12 +84,15 @@ class CpuKernels:
         query_lens: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> None:
         """Causal attention of every prefill chunk of a step (rows query_starts[i] + [0,
         query_lens[i]) of q / out), each over its context_lens[i] earlier keys plus itself, read
-        through block_tables. The chunks' own K/V must already be in the cache."""
+        through block_tables. The chunks' own K/V must already be in the cache. ``window``: a
+        sliding window (each query sees its last ``window`` keys; blocks before a chunk's first
+        query's window are never read), or None."""
         self._m.paged_prefill_attention(
-            out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale
+            out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, scale, window or 0
         )
 
     def rope_and_cache_write(
@@ -184,6 +190,7 @@ class CpuKernels:
         num_kv_heads: int,
         head_dim: int,
         scale: float,
+        windows: list[int | None] | None = None,
     ):
         """A DecoderPlan: ``decode(h, residual, positions, cos, sin, kv_caches, slots,
         block_tables, seq_lens)`` runs a decode-only step through every layer in one call, with
@@ -191,8 +198,10 @@ class CpuKernels:
         ``projections``: qkv, o, gate_up, down of each layer, each a list of parts (weight, qtype,
         bias) whose outputs are concatenated: GGUF blocks (qtype >= 0) or float32 weights (qtype
         -1). ``norms`` / ``eps``: per layer the post-attention norm, then the next input norm
-        (the final norm after the last layer). Activations float32."""
-        return self._m.DecoderPlan(projections, norms, eps, num_heads, num_kv_heads, head_dim, scale)
+        (the final norm after the last layer). ``windows``: each layer's sliding window (None:
+        full attention; default: none anywhere). Activations float32."""
+        layer_windows = [w or 0 for w in windows] if windows is not None else [0] * (len(projections) // 4)
+        return self._m.DecoderPlan(projections, norms, eps, num_heads, num_kv_heads, head_dim, scale, layer_windows)
 
     def quant_dequantize(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         """Float32 values [R, k] of R rows of GGUF blocks w [R, bytes] uint8."""

@@ -5,6 +5,9 @@
 // k/v_cache:    [num_blocks, num_kv_heads, block_size, head_dim] (a head's keys of a block are contiguous)
 // block_tables: [num_seqs, max_blocks] int64
 // seq_lens:     [num_seqs] int64 (keys 0 .. seq_len-1 are visible)
+// window:       a sliding window W > 0: only keys seq_len-W .. seq_len-1 are visible, and the blocks
+//               before them are never read (they may be released); <= 0: none. The float32 AVX2
+//               path and the portable path take it; a windowed bf16 step runs the portable path.
 // out:          [num_seqs, num_heads, head_dim] (may be the first rows of a larger contiguous tensor)
 // q's rows may be strided (a view into the fused qkv projection output).
 //
@@ -81,16 +84,19 @@ struct BlockStream {
 
 // Portable path (any dtype, any head_dim): rows widened to float, compiler-vectorized loops.
 template <typename scalar_t>
-void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const scalar_t* qp, const scalar_t* kp,
-                    const scalar_t* vp, scalar_t* op, const int64_t* table, float scale, std::vector<float>& qf,
-                    std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& row) {
-  const int64_t D = g.head_dim, G = g.group;
+void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int64_t end, const scalar_t* qp,
+                    const scalar_t* kp, const scalar_t* vp, scalar_t* op, const int64_t* table, float scale,
+                    std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc,
+                    std::vector<float>& row) {
+  // keys first .. end - 1
+  const int64_t D = g.head_dim, G = g.group, len = end - first;
   qf.resize(G * D);
   row.resize(D);
   for (int64_t j = 0; j < G; ++j)
     for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_f(qp[s * g.q_stride + (h * G + j) * D + d]) * scale;
   scores.resize(G * len);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t t = first + i;
     const scalar_t* kt = kp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(kt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
@@ -98,17 +104,18 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t len, const 
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < D; ++d) dot += qj[d] * row[d];
-      scores[j * len + t] = dot;
+      scores[j * len + i] = dot;
     }
   }
   std::vector<float> inv(G);
   for (int64_t j = 0; j < G; ++j) inv[j] = softmax_unnormalized(scores.data() + j * len, len);
   acc.assign(G * D, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t t = first + i;
     const scalar_t* vt = vp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(vt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
-      const float p = scores[j * len + t];
+      const float p = scores[j * len + i];
       float* aj = acc.data() + j * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) aj[d] += p * row[d];
@@ -805,7 +812,9 @@ inline void merge_chunks(const float* rec, int64_t nch, int64_t G, int64_t D, fl
 
 template <int D>
 void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const float* kp, const float* vp,
-                     float* op, const int64_t* bt, const int64_t* lens, float scale) {
+                     float* op, const int64_t* bt, const int64_t* lens, const int64_t* firsts, float scale) {
+  // Sequence s's keys are firsts[s] .. lens[s] - 1 (a sliding window's start, or 0); chunks split those.
+  auto visible = [&](int64_t s) { return lens[s] - firsts[s]; };
   const int64_t H = g.num_kv_heads, G = g.group, R = chunk_record(G, D);
   // Items (sequence, kv head, chunk) in that order: a (sequence, kv head)'s chunks are adjacent,
   // so they mostly land on one thread, which merges them itself.
@@ -815,7 +824,7 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
   bool any_split = false;
   first_item[0] = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t nch = chunk_plan(lens[s]).n;
+    const int64_t nch = chunk_plan(visible(s)).n;
     any_split |= nch > 1;
     first_item[s + 1] = first_item[s] + H * nch;
   }
@@ -832,8 +841,8 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
   auto cost = [&](int64_t item) {
     int64_t s, h, c;
     locate(item, s, h, c);
-    const ChunkPlan p = chunk_plan(lens[s]);
-    return std::min(p.len, lens[s] - c * p.len) + 8;
+    const ChunkPlan p = chunk_plan(visible(s));
+    return std::min(p.len, visible(s) - c * p.len) + 8;
   };
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> bounds = balanced_split(items, nthreads, cost);
@@ -841,8 +850,8 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
   auto first_run = [&](int64_t item) {  // an item's first K run
     int64_t s, h, c;
     locate(item, s, h, c);
-    const ChunkPlan p = chunk_plan(lens[s]);
-    const int64_t t0 = c * p.len, t1 = std::min(lens[s], t0 + p.len), bs = g.block_size;
+    const ChunkPlan p = chunk_plan(visible(s));
+    const int64_t t0 = firsts[s] + c * p.len, t1 = std::min(lens[s], t0 + p.len), bs = g.block_size;
     if (t1 <= t0) return F32Run{nullptr, 0};
     return F32Run{kp + g.head_block(bt[s * g.max_blocks + t0 / bs], h) + t0 % bs * D, std::min(bs - t0 % bs, t1 - t0)};
   };
@@ -854,9 +863,9 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
         int64_t s, h, c;
         locate(item, s, h, c);
         const int64_t len = lens[s];
-        const ChunkPlan p = chunk_plan(len);
-        const int64_t t0 = c * p.len, t1 = std::min(len, t0 + p.len), ss = p.len + 8;
-        if (len == 0) {  // nothing visible: zeros rather than 0 / 0
+        const ChunkPlan p = chunk_plan(visible(s));
+        const int64_t t0 = firsts[s] + c * p.len, t1 = std::min(len, t0 + p.len), ss = p.len + 8;
+        if (visible(s) == 0) {  // nothing visible: zeros rather than 0 / 0
           std::fill(out_rows(s, h), out_rows(s, h) + G * D, 0.f);
           continue;
         }
@@ -892,13 +901,13 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
 
 // decode_f32_avx2 for this head_dim; false where there is none.
 inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp, const float* kp, const float* vp,
-                            float* op, const int64_t* bt, const int64_t* lens, float scale) {
+                            float* op, const int64_t* bt, const int64_t* lens, const int64_t* firsts, float scale) {
   switch (g.head_dim) {
-    case 16: decode_f32_avx2<16>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
-    case 32: decode_f32_avx2<32>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
-    case 64: decode_f32_avx2<64>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
-    case 128: decode_f32_avx2<128>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
-    case 256: decode_f32_avx2<256>(g, num_seqs, qp, kp, vp, op, bt, lens, scale); return true;
+    case 16: decode_f32_avx2<16>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 32: decode_f32_avx2<32>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 64: decode_f32_avx2<64>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 128: decode_f32_avx2<128>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 256: decode_f32_avx2<256>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
     default: return false;
   }
 }
@@ -908,7 +917,7 @@ inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp
 
 template <typename scalar_t>
 void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                 torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                 torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   Geometry g;
   const int64_t num_seqs = q.size(0);
   g.num_heads = q.size(1);
@@ -927,14 +936,17 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  std::vector<int64_t> firsts(num_seqs, 0);  // each sequence's first visible key
+  if (window > 0)
+    for (int64_t s = 0; s < num_seqs; ++s) firsts[s] = std::max<int64_t>(0, lens[s] - window);
 #if PAGEDLLM_AVX2_F32
   if constexpr (std::is_same<scalar_t, float>::value) {
-    if (decode_f32_fast(g, num_seqs, qp, kp, vp, op, bt, lens, fscale)) return;
+    if (decode_f32_fast(g, num_seqs, qp, kp, vp, op, bt, lens, firsts.data(), fscale)) return;
   }
 #endif
   bool fast = false, amx = false;
 #if PAGEDLLM_AVX512BF16
-  fast = std::is_same<scalar_t, at::BFloat16>::value && g.group <= 64 &&
+  fast = window <= 0 && std::is_same<scalar_t, at::BFloat16>::value && g.group <= 64 &&
          (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256);
 #endif
 #if PAGEDLLM_AMX
@@ -1019,7 +1031,7 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
           }
 #endif
         } else {
-          attend_generic(g, s, h, lens[s], qp, kp, vp, op, table, fscale, qf, scores, acc, row);
+          attend_generic(g, s, h, firsts[s], lens[s], qp, kp, vp, op, table, fscale, qf, scores, acc, row);
         }
       }
     }
@@ -1032,7 +1044,7 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
 }  // namespace
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   // q may be a row slice of the fused qkv projection: rows strided, heads contiguous within a row.
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   out.is_contiguous(),
@@ -1056,12 +1068,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     const int64_t* lp = sl.data_ptr<int64_t>();
     for (int64_t s = 0; s < q.size(0); ++s)
       check_block_table_row("paged_decode_attention", s, btp + s * bt.size(1), bt.size(1), lp[s], k_cache.size(0),
-                            k_cache.size(2));
+                            k_cache.size(2), window > 0 ? std::max<int64_t>(0, lp[s] - window) : 0);
   }
   if (q.scalar_type() == torch::kFloat) {
-    decode_impl<float>(out, q, k_cache, v_cache, bt, sl, scale);
+    decode_impl<float>(out, q, k_cache, v_cache, bt, sl, scale, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_impl<at::BFloat16>(out, q, k_cache, v_cache, bt, sl, scale);
+    decode_impl<at::BFloat16>(out, q, k_cache, v_cache, bt, sl, scale, window);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }

@@ -6,7 +6,9 @@
 // k/v_cache:    [num_blocks, num_kv_heads, block_size, head_dim] bf16, already holding the chunk's K/V
 // block_tables: [num_seqs, max_blocks] int64; query_starts / query_lens / context_lens: [num_seqs] int64
 // Sequence i's queries are rows query_starts[i] .. + query_lens[i] of q, at positions
-// context_lens[i] .. context_lens[i] + query_lens[i] - 1; each sees keys 0 .. its own position.
+// context_lens[i] .. context_lens[i] + query_lens[i] - 1; each sees keys 0 .. its own position, or
+// with a sliding window W > 0 only the last W of them (its own included): a sequence's blocks
+// before its first query's window are never read (they may be released).
 //
 // head_dim 64 or 128, block_size a multiple of 16. torch's flash SDPA, called once per sequence, ran at 170-430 GFLOP/s on the prompt lengths of a
 // chat workload (it is overhead-bound below ~400 tokens). Here one work item is a (sequence, KV
@@ -35,6 +37,7 @@ struct Work {
   std::vector<uint16_t> p;    // probabilities, bf16: [16][keys_pad]
   std::vector<uint16_t> qpad; // a query tile with fewer than 16 rows, zero-padded
   float o[TILE * 128];        // output tile, float
+  int64_t window = 0;         // sliding window of this call (<= 0: none)
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -60,9 +63,10 @@ void head_layouts(const uint16_t* kc, const uint16_t* vc, int64_t blk_stride, in
 }
 
 // Row softmax of a tile's raw scores S [16][kpad] (rows >= `rows` are padding): row r sees keys
-// 0 .. first_pos + r; P = 0 elsewhere up to nk32 (the 32-key chunk boundary); inv = 1 / row sum.
+// 0 .. first_pos + r (the last `window` of them when window > 0); P = 0 elsewhere up to nk32 (the
+// 32-key chunk boundary); inv = 1 / row sum.
 inline void softmax_rows(const float* S, int64_t kpad, int64_t rows, int64_t first_pos, int64_t nk32, float scale,
-                         uint16_t* P, float* inv) {
+                         uint16_t* P, float* inv, int64_t window) {
   for (int64_t r = 0; r < TILE; ++r) {
     uint16_t* pr = P + r * kpad;
     if (r >= rows) {
@@ -71,7 +75,9 @@ inline void softmax_rows(const float* S, int64_t kpad, int64_t rows, int64_t fir
       continue;
     }
     const int64_t vis = first_pos + r + 1;
-    inv[r] = probs_bf16(S + r * kpad, vis, vis, scale, pr);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, vis - window) : 0;
+    std::fill(pr, pr + lo, 0);
+    inv[r] = probs_bf16(S + r * kpad + lo, vis - lo, vis - lo, scale, pr + lo);
     std::fill(pr + vis, pr + nk32, 0);
   }
 }
@@ -117,7 +123,7 @@ void attend_prefill_avx512(const uint16_t* q, int64_t q_row, uint16_t* out, cons
         for (int r = 0; r < TILE; ++r) _mm512_storeu_ps(S + r * kpad + k0, acc[r]);
       }
       float inv[TILE];
-      softmax_rows(S, kpad, rows, ctx + r0, nk32, scale, w.p.data(), inv);
+      softmax_rows(S, kpad, rows, ctx + r0, nk32, scale, w.p.data(), inv, w.window);
       const uint16_t* P = w.p.data();
       for (int64_t rb = 0; rb < rows; rb += kRows) {
         __m512 acc[kRows][V];
@@ -192,7 +198,7 @@ void attend_prefill(const uint16_t* q, int64_t q_row, uint16_t* out, const uint1
         _tile_stored(7, S + kt * TILE, kpad * 4);
       }
       float inv[TILE];
-      softmax_rows(S, kpad, rows, ctx + r0, nk32, scale, w.p.data(), inv);
+      softmax_rows(S, kpad, rows, ctx + r0, nk32, scale, w.p.data(), inv, w.window);
       // O = P V in 64-dim passes: tile 0 = 32 keys of P, tile 1 = their V pairs for 16 dims,
       // tiles 4..7 = O for the pass's 4 x 16 dims.
       for (int dh = 0; dh < D; dh += 64) {
@@ -242,7 +248,7 @@ bool prefill_attention_available(int64_t head_dim, int64_t block_size) {
 
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
-                             torch::Tensor context_lens, double scale) {
+                             torch::Tensor context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
                   k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
               "paged_prefill_attention: bfloat16 only");
@@ -269,7 +275,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
                     (clp[i] + qlp[i] + bs - 1) / bs <= max_blocks,
                 "paged_prefill_attention: sequence ", i, " out of range");
     check_block_table_row("paged_prefill_attention", i, btp + i * max_blocks, max_blocks, clp[i] + qlp[i],
-                          k_cache.size(0), bs);
+                          k_cache.size(0), bs, window > 0 ? std::max<int64_t>(0, clp[i] - window + 1) : 0);
   }
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -288,15 +294,19 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
     if (amx) configure_tiles();
 #endif
     Work w;
+    w.window = window;
     for (int64_t tid = tb; tid < te; ++tid)
       for (int64_t it = bounds[tid]; it < bounds[tid + 1]; ++it) {
         const int64_t i = it / hkv, h = it % hkv;
         if (qlp[i] == 0) continue;
-        const int64_t* table = btp + i * max_blocks;
+        // With a window, keys from the block where the first query's window starts: positions
+        // shift by whole blocks, so the causal and window masks see the same differences.
+        const int64_t skip = window > 0 ? std::max<int64_t>(0, clp[i] - window + 1) / bs : 0;
+        const int64_t* table = btp + i * max_blocks + skip;
         const float sc = static_cast<float>(scale);
         auto run = [&](auto attend) {
           attend(qp, q.stride(0), op, kp, vp, blk_stride, head_stride, bs, table, h, G, num_heads, qsp[i], qlp[i],
-                 clp[i], sc, w);
+                 clp[i] - skip * bs, sc, w);
         };
 #if PAGEDLLM_AMX
         if (amx) {

@@ -8,6 +8,10 @@ from typing import Literal, NamedTuple
 
 from pagedllm.sequence import Sequence
 
+# Block-table entry of a block released because it fell out of every layer's sliding window: no
+# attention path reads it (they start at the window), and no token is ever written to it.
+NULL_BLOCK = -1
+
 
 class BlockOp(NamedTuple):
     """Physical block moves the runner performs before a step's forward, in recorded order.
@@ -88,6 +92,11 @@ class KVCacheManager(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> KVCacheStats: ...
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """After a step: frees the sequence's blocks no query of it can see any more (all layers
+        windowed); returns how many. Managers that keep every block return 0."""
+        return 0
 
     def cache_computed_blocks(self, seq: Sequence) -> None:  # noqa: B027 (optional: no prefix cache)
         """Registers the sequence's full, written blocks in the prefix cache (if it has one)."""

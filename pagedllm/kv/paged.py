@@ -10,22 +10,45 @@ The last holder of a shared block writes into it in place, so k sharers make k -
 Swapping: ``swap_out`` moves a set of sequences' blocks into a second BlockPool whose blocks live
 in host memory (a block shared inside the set is copied once and stays shared there), and
 ``swap_in`` brings them back into fresh device blocks. The moves are recorded as BlockOps too.
+
+Sliding-window release (``release_window``: every layer attends through a window, the widest W):
+after each step, a sequence's leading blocks that no query can see any more go back to the pool
+and their entries become NULL_BLOCK (vLLM's sliding-window block release), so a long generation
+holds about ceil(W / block_size) + 1 blocks, not its whole context. The next query of a sequence
+is at position ``num_computed_tokens`` (or one earlier: a fork re-runs its last token), which sees
+keys from num_computed_tokens - W on: every block wholly before that is released. Released
+entries are always a prefix of the table; a released full block keeps its prefix-cache hash (it
+is freed like any other block), so it serves prefix hits until it is evicted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 
-from pagedllm.kv.base import BlockOp, KVCacheManager, KVCacheStats
+from pagedllm.kv.base import NULL_BLOCK, BlockOp, KVCacheManager, KVCacheStats
 from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
 from pagedllm.sequence import Sequence
 from pagedllm.utils import cdiv
 
 
 class PagedKVCacheManager(KVCacheManager):
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        release_window: int | None = None,
+        max_step_tokens: int | None = None,
+    ) -> None:
+        """``release_window``: the widest sliding window when every layer has one (blocks out of
+        it are released); None: every block is kept while its sequence lives. ``max_step_tokens``:
+        the most tokens a sequence runs in one step (the scheduler's budget), which with release
+        bounds the blocks a sequence ever holds at once."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.release_window = release_window
+        self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._tables: dict[str, list[int]] = {}
@@ -43,6 +66,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_released_blocks = 0
 
     # ---- prefix cache --------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[BlockHash]:
@@ -136,7 +160,8 @@ class PagedKVCacheManager(KVCacheManager):
         hashes = self._block_hashes(seq, num_full * self.block_size)
         table = self._tables[rid]
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+            if table[i] != NULL_BLOCK:  # released (a table swapped back in registers again from 0)
+                self.pool.cache_block(table[i], hashes[i])
         self._num_cached[rid] = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -147,10 +172,29 @@ class PagedKVCacheManager(KVCacheManager):
         self._num_cached.pop(rid, None)
         self._hashes.pop(rid, None)
         if table:
-            self.pool.free(reversed(table))
+            self.pool.free(_live(reversed(table)))
         if host_table:
             assert self.host_pool is not None
-            self.host_pool.free(reversed(host_table))
+            self.host_pool.free(_live(reversed(host_table)))
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        if self.release_window is None:
+            return 0
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return 0
+        # The earliest key a next query sees: one before num_computed_tokens' own window, for a
+        # fork that re-runs its last token.
+        first_needed = seq.num_computed_tokens - self.release_window
+        end = min(max(0, first_needed) // self.block_size, len(table))
+        released = [table[i] for i in range(end) if table[i] != NULL_BLOCK]
+        if not released:
+            return 0
+        for i in range(end):
+            table[i] = NULL_BLOCK
+        self.pool.free(reversed(released))
+        self.num_released_blocks += len(released)
+        return len(released)
 
     # ---- sharing -------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> bool:
@@ -167,7 +211,7 @@ class PagedKVCacheManager(KVCacheManager):
         num_tokens = min(self._num_tokens.get(pid, 0), child.num_tokens)
         num_full = num_tokens // self.block_size
         tables[cid] = list(tables[pid][: cdiv(num_tokens, self.block_size)])
-        pool.touch(tables[cid])
+        pool.touch(_live(tables[cid]))
         self._num_tokens[cid] = num_tokens
         self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
         self._num_cached[cid] = min(self._num_cached.get(pid, 0), num_full)
@@ -199,7 +243,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     @staticmethod
     def _distinct(tables: list[list[int]]) -> list[int]:
-        return list(dict.fromkeys(b for t in tables for b in t))
+        return list(dict.fromkeys(b for t in tables for b in _live(t)))
 
     def _move(
         self,
@@ -217,13 +261,14 @@ class PagedKVCacheManager(KVCacheManager):
             return False
         mapping = dict(zip(blocks, dst_pool.allocate(len(blocks)), strict=True))
         self._record(kind, list(mapping.items()))
+        mapping[NULL_BLOCK] = NULL_BLOCK  # released entries stay released wherever the table is
         for r, t in zip(seqs, tables, strict=True):
             new = [mapping[b] for b in t]
             dst_tables[r.seq_id] = new
             del src_tables[r.seq_id]
-            src_pool.free(reversed(t))
+            src_pool.free(_live(reversed(t)))
         # allocate() gave each block one reference; a block the set shares gets the rest.
-        for b, n in Counter(mapping[b] for t in tables for b in t).items():
+        for b, n in Counter(mapping[b] for t in tables for b in _live(t)).items():
             if n > 1:
                 dst_pool.touch([b] * (n - 1))
         return True
@@ -257,6 +302,10 @@ class PagedKVCacheManager(KVCacheManager):
         return self.pool.num_free_blocks
 
     def can_ever_fit(self, num_tokens: int) -> bool:
+        if self.release_window is not None and self.max_step_tokens is not None:
+            # Held at once: the window before a step's first query and the step's own tokens, at
+            # any offset in a block (one more block).
+            num_tokens = min(num_tokens, self.release_window + self.max_step_tokens + self.block_size)
         return cdiv(num_tokens, self.block_size) <= self.num_blocks
 
     def stats(self) -> KVCacheStats:
@@ -265,6 +314,8 @@ class PagedKVCacheManager(KVCacheManager):
         for rid, table in self._tables.items():
             n = self._num_tokens[rid]
             for i, b in enumerate(table):
+                if b == NULL_BLOCK:
+                    continue
                 f = min(bs, n - i * bs)
                 if f > fill.get(b, 0):
                     fill[b] = f
@@ -272,7 +323,7 @@ class PagedKVCacheManager(KVCacheManager):
         reserved = len(fill) * bs
         used = sum(fill.values())
         total = self.num_blocks * bs
-        logical = sum(len(t) for t in self._tables.values())
+        logical = sum(1 for t in self._tables.values() for b in t if b != NULL_BLOCK)
         return KVCacheStats(
             total=total,
             reserved=reserved,
@@ -286,7 +337,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.pool.check_invariants()
         refs = [0] * self.num_blocks
         for table in self._tables.values():
-            for b in table:
+            for b in _live(table):
                 refs[b] += 1
         assert refs == self.pool.ref_cnt, "refcounts differ from the block tables' references"
         assert not set(self._tables) & set(self._host_tables), "a sequence is both on the device and swapped"
@@ -294,8 +345,17 @@ class PagedKVCacheManager(KVCacheManager):
             self.host_pool.check_invariants()
             refs = [0] * self.host_pool.num_blocks
             for table in self._host_tables.values():
-                for b in table:
+                for b in _live(table):
                     refs[b] += 1
             assert refs == self.host_pool.ref_cnt, "host refcounts differ from the swapped tables' references"
         else:
             assert not self._host_tables
+        for tables in (self._tables, self._host_tables):
+            for table in tables.values():  # released entries are a prefix of each table
+                live = [b != NULL_BLOCK for b in table]
+                assert live == sorted(live), "a released entry after a live one"
+
+
+def _live(block_ids: Iterable[int]) -> Iterator[int]:
+    """The blocks of a table that are held (not released out of the window)."""
+    return (b for b in block_ids if b != NULL_BLOCK)
