@@ -85,7 +85,11 @@ def load_model(
     model = model.to_empty(device=device).to(dtype=dtype)
     model.load_hf_weights(iter_safetensors(model_dir))
     # RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does).
-    model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
+    # A model with more than one table (one per layer type) remakes its own.
+    if hasattr(model, "rebuild_rope_tables"):
+        model.rebuild_rope_tables(device)
+    else:
+        model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
     model.eval()
     model.requires_grad_(False)
     # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
