@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
