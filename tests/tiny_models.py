@@ -14,16 +14,28 @@ CORPUS = (
 )
 
 
-def build_tokenizer(out_dir: str) -> None:
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Gemma's turn format: the template writes the BOS, the assistant's role is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _train_bpe(special_tokens: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -31,11 +43,28 @@ def build_tokenizer(out_dir: str) -> None:
     n = tok.get_vocab_size()
     if n < VOCAB:
         tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - n)])
+    return tok
+
+
+def build_tokenizer(out_dir: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-    hf.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(out_dir)
+
+
+def build_gemma_tokenizer(out_dir: str) -> None:
+    """Gemma's special-token ids (pad 0, eos 1, bos 2, turn markers) and its BOS handling:
+    encoding a text prepends <bos>, as Gemma's tokenizer does."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_bpe(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    hf.chat_template = GEMMA_TEMPLATE
     hf.save_pretrained(out_dir)
 
 
@@ -49,13 +78,19 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3")
+# Gemma 3's sliding window: no smaller than the tests' prompts + generations (152 tokens), so
+# every layer attends to the whole sequence.
+GEMMA3_WINDOW = 160
+
+FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gemma3")
 
 
 def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None = None) -> str:
     """Writes a tiny checkpoint of the family into out_dir (if not already there). ``head_dim``:
     "llama" only, an explicit head size instead of hidden_size / heads (16)."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -134,6 +169,21 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
             **common,
         )
         cls = Qwen3ForCausalLM
+    elif family == "gemma3":  # both layer types (own RoPE each, linear scaling on the global), GQA, tied
+        cfg = Gemma3TextConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,  # not head_dim: the attention scale must come from it
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            sliding_window=GEMMA3_WINDOW,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            tie_word_embeddings=True,
+            **{**common, "num_hidden_layers": 4, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+        )
+        cls = Gemma3ForCausalLM
     else:
         raise ValueError(family)
     if head_dim is not None and family != "llama":
@@ -147,5 +197,5 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
-    build_tokenizer(out_dir)
+    (build_gemma_tokenizer if family == "gemma3" else build_tokenizer)(out_dir)
     return out_dir
