@@ -22,6 +22,34 @@ def test_greedy_matches_transformers_on_each_path(tiny_model_dirs, backend):
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
 
 
+def test_bf16_follows_transformers_bf16(tiny_model_dirs):
+    """bf16 (packed GEMMs where they run, without the silu epilogue: Gemma's gate is gelu)
+    follows transformers' bf16 greedy tokens, except after a near-tie of its top two logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dirs["gemma3"]
+    prompts = [[2, 5, 9, 200, 3], [2, *range(10, 60)], [2] + [7] * 23]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    llm = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=64)
+    assert not getattr(llm.llm_engine.model.layers[0].mlp.gate_up_proj, "fused_silu_mul", False)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    compared = 0
+    with torch.no_grad():
+        for p, out in zip(prompts, outs, strict=True):
+            comp = out.outputs[0]
+            logp = torch.log_softmax(hf(torch.tensor([p + comp.token_ids])).logits[0].float(), dim=-1)
+            for i, tok in enumerate(comp.token_ids):
+                row = logp[len(p) - 1 + i]
+                top2 = row.topk(2).values
+                if tok != row.argmax().item():
+                    assert top2[0] - top2[1] < 0.1, f"diverged at step {i} without a near-tie: {top2}"
+                    break
+                assert abs(comp.logprobs[i][tok].logprob - row[tok].item()) < 0.1
+                compared += 1
+    assert compared >= 12
+
+
 def test_model_keeps_both_layer_types_and_no_fused_layers(tiny_model_dirs):
     llm = LLM(model=tiny_model_dirs["gemma3"], dtype="float32", num_kv_blocks=8)
     model = llm.llm_engine.model
