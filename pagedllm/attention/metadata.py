@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.kv.base import NULL_BLOCK
+
 
 @dataclass
 class PrefillSeq:
@@ -42,7 +44,7 @@ class AttentionMetadata:
     # Compiled prefill kernel for all prefill chunks at once (pagedllm.kernels.paged_prefill_attention),
     # or None: torch SDPA per sequence.
     prefill_kernel: Callable | None = None
-    _decode_mask: torch.Tensor | None = None
+    _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _prefill_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prefill_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,11 +65,23 @@ class AttentionMetadata:
             )
         return self._prefill_batch
 
-    def decode_mask(self, block_size: int) -> torch.Tensor:
-        """[num_decodes, 1, 1, max_blocks * block_size] bool, True where a key is visible (built once)."""
-        if self._decode_mask is None:
-            key_pos = torch.arange(self.decode_block_tables.shape[1] * block_size, device=self.slot_mapping.device)
-            self._decode_mask = (key_pos.unsqueeze(0) < self.decode_seq_lens.unsqueeze(1)).view(
-                self.num_decodes, 1, 1, -1
-            )
-        return self._decode_mask
+    def decode_view(self, block_size: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows' block tables and visibility mask [num_decodes, 1, 1, keys] as the
+        reference path reads them (built once per window per step). With a window, the tables
+        start at the first block any row's window reaches (no row needs the ones before), and
+        released entries (NULL_BLOCK) left inside point at the row's first block still in its
+        window instead: read (a gather needs a real block), masked out."""
+        view = self._decode_views.get(window)
+        if view is None:
+            bt, lens = self.decode_block_tables, self.decode_seq_lens
+            first_block = 0 if window is None else int((lens - window).clamp(min=0).min()) // block_size
+            bt = bt[:, first_block:]
+            key_pos = first_block * block_size + torch.arange(bt.shape[1] * block_size, device=bt.device)
+            mask = key_pos.unsqueeze(0) < lens.unsqueeze(1)
+            if window is not None:
+                starts = (lens - window).clamp(min=0)
+                mask &= key_pos.unsqueeze(0) >= starts.unsqueeze(1)
+                own_first = bt.gather(1, (starts // block_size - first_block).unsqueeze(1))
+                bt = torch.where(bt == NULL_BLOCK, own_first, bt)
+            view = self._decode_views[window] = (bt, mask.view(self.num_decodes, 1, 1, -1))
+        return view

@@ -3,6 +3,11 @@
 K/V live in a paged cache ``[num_blocks, num_kv_heads, block_size, head_dim]``. New tokens are
 written at their slots; queries then attend to their sequence's keys, read by indexing the cache
 with the sequence's block table (no per-sequence cache is ever kept).
+
+``window``: a layer's sliding window W (None: full causal attention). A query at absolute position
+p then attends to the keys at [max(0, p - W + 1), p], as transformers' sliding mask does
+(key index > query index - W). Blocks wholly before a sequence's window may have been released
+(their table entries are then ``NULL_BLOCK``); no path reads their contents.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 
 
 def write_kv_cache(
@@ -62,10 +67,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` for this step's tokens -> output ``[T, H, D]``."""
+    """query ``[T, H, D]``, key/value ``[T, Hkv, D]`` for this step's tokens -> output ``[T, H, D]``.
+
+    ``window``: this layer's sliding window (None: full causal attention)."""
     write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-    return attend(query, key, value, k_cache, v_cache, meta, scale)
+    return attend(query, key, value, k_cache, v_cache, meta, scale, window)
 
 
 def attend(
@@ -76,64 +84,82 @@ def attend(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this step's queries over caches that already hold this step's K/V.
 
     Query rows may be strided (a view of a fused qkv projection); the output is contiguous.
+    ``window``: this layer's sliding window (None: full causal attention).
     """
     if _timer is None:
-        return _attend(query, key, value, k_cache, v_cache, meta, scale)
+        return _attend(query, key, value, k_cache, v_cache, meta, scale, window)
     t = time.perf_counter()
     try:
-        return _attend(query, key, value, k_cache, v_cache, meta, scale)
+        return _attend(query, key, value, k_cache, v_cache, meta, scale, window)
     finally:
         _timer[0] += time.perf_counter() - t
 
 
-def _attend(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attend(
+    query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None
+) -> torch.Tensor:
     out = query.new_empty(query.shape)
     nd = meta.num_decodes
-    if nd and meta.decode_kernel is not None:
+    # The compiled kernels take no window yet: windowed layers run the reference path.
+    if nd and meta.decode_kernel is not None and window is None:
         # The kernel writes the decode rows of the output in place.
         meta.decode_kernel(
             out[:nd], query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
         )
     elif nd:
-        out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale)
-    if meta.prefills and meta.prefill_kernel is not None:
+        out[:nd] = _decode(query[:nd], k_cache, v_cache, meta, scale, window)
+    if meta.prefills and meta.prefill_kernel is not None and window is None:
         # One call for every chunk; it reads the chunks' own K/V back from the cache too.
         meta.prefill_kernel(out, query, k_cache, v_cache, *meta.prefill_batch(), scale)
         return out
     for p in meta.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
-        out[rows] = _prefill(query[rows], key[rows], value[rows], k_cache, v_cache, p, scale)
+        out[rows] = _prefill(query[rows], key[rows], value[rows], k_cache, v_cache, p, scale, window)
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float):
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+):
     nd, h, d = q.shape
     _, hkv, bs, _ = k_cache.shape
-    bt = meta.decode_block_tables
+    bt, mask = meta.decode_view(bs, window)
     nblk = bt.shape[1]
     # [nd, nblk, hkv, bs, d] -> [nd, hkv, nblk * bs, d]
     k = k_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
     v = v_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask(bs), scale=scale, enable_gqa=hkv != h
-    )
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h)
     return o.squeeze(2)
 
 
-def _prefill(q, key, value, k_cache, v_cache, p, scale):
+def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, window: int | None):
     h = q.shape[1]
-    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    mask = p.mask
     if p.context_len == 0:
         # Nothing earlier in the cache: this chunk's own K/V are the whole context.
         k, v = key.transpose(0, 1), value.transpose(0, 1)
+        first_key = 0
     else:
+        # Only the blocks from the first query's window on: those before it may be released.
+        first_block = 0 if window is None else max(0, p.context_len - window + 1) // bs
+        first_key = first_block * bs
         # [nblk, hkv, bs, d] -> [hkv, nblk * bs, d], cut to the sequence
-        k = k_cache[p.block_ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len]
-        v = v_cache[p.block_ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len]
+        ids = p.block_ids[first_block:]
+        k = k_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key]
+        v = v_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key]
+    if window is not None:
+        mask = sliding_mask(p.context_len, p.query_len, first_key, p.seq_len, window, q.device)
     # 4-D (batch of 1): the CPU's fused flash kernel only takes 4-D inputs; 3-D goes to "math".
     # With 4-D inputs it also handles GQA itself (enable_gqa), 1.3-1.5x faster than expanding
     # the KV heads first (bf16, 184-512 query tokens, 9/3 heads).
@@ -141,9 +167,19 @@ def _prefill(q, key, value, k_cache, v_cache, p, scale):
         q.transpose(0, 1).unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
-        attn_mask=p.mask,
-        is_causal=p.mask is None,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=hkv != h,
     )
     return o.squeeze(0).transpose(0, 1)
+
+
+def sliding_mask(
+    first_query: int, num_queries: int, first_key: int, end_key: int, window: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """[num_queries, end_key - first_key] bool, True where query position first_query + i sees key
+    position first_key + j: causal, and at most ``window`` positions back (the query's own included)."""
+    q_pos = torch.arange(first_query, first_query + num_queries, device=device).unsqueeze(1)
+    k_pos = torch.arange(first_key, end_key, device=device).unsqueeze(0)
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)

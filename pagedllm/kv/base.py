@@ -8,6 +8,10 @@ from typing import Literal, NamedTuple
 
 from pagedllm.sequence import Sequence
 
+# Block-table entry of a block released because it fell out of every layer's sliding window: no
+# attention path reads it (they start at the window), and no token is ever written to it.
+NULL_BLOCK = -1
+
 
 class BlockOp(NamedTuple):
     """Physical block moves the runner performs before a step's forward, in recorded order.

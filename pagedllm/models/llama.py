@@ -116,8 +116,9 @@ def _rope_type(hf_config, layer_type: str | None = None) -> str:
 class Attention(nn.Module):
     """``qk_norm``: RMSNorm over each head of q and k after the projection, before RoPE (Qwen3)."""
 
-    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding attention window of this layer (None: the whole context)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -138,7 +139,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
-        o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -158,10 +159,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qkv_bias, qk_norm)
+        self.self_attn = Attention(cfg, qkv_bias, qk_norm, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -183,6 +184,7 @@ class _FusedLayer(NamedTuple):
     post_norm_eps: float
     next_norm_w: torch.Tensor  # the next layer's input norm, or the final norm after the last layer
     next_norm_eps: float
+    window: int | None  # the layer's sliding attention window (None: the whole context)
 
 
 def _gate_up_silu_mul(gate_up_proj: nn.Module, kernels: CpuKernels) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -223,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, self.qk_norm) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, self.qk_norm, window) for window in layer_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -287,6 +289,7 @@ class LlamaForCausalLM(nn.Module):
                 post.eps,
                 nxt.weight,
                 nxt.eps,
+                layer.self_attn.window,
             )
             for layer, post, nxt in zip(self.layers, norms, next_norms, strict=True)
         ]
@@ -300,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
             # The plan has no q/k norm step: running it would skip the norms. The fused Python
             # loop applies them, so every step of such a model runs there.
             return None
+        if any(layer.self_attn.window is not None for layer in self.layers):
+            return None  # the plan's attention takes no window yet
         projections = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -365,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
             q = qkv[:, :qs].view(t, nh, d)
             k = qkv[:, qs : qs + kvs].view(t, nkv, d)
             v = qkv[:, qs + kvs :].view(t, nkv, d)
-            o = attend(q, k, v, k_cache, v_cache, meta, scale)
+            o = attend(q, k, v, k_cache, v_cache, meta, scale, lyr.window)
             h = kernels.add_rms_norm(lyr.o_proj(o.view(t, qs)), residual, lyr.post_norm_w, lyr.post_norm_eps)
             m = lyr.down_proj(lyr.gate_up_silu_mul(h))
             h = kernels.add_rms_norm(m, residual, lyr.next_norm_w, lyr.next_norm_eps)
@@ -453,18 +458,24 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
-def sliding_window(cfg) -> int | None:
-    """The smallest attention window any layer uses, or None if every layer attends to all.
-
-    The engine caps max_model_len at this window, so full attention is exact (a sequence never
-    grows past the window); windowed attention over longer contexts is not implemented.
-    """
+def layer_windows(cfg) -> list[int | None]:
+    """Each layer's sliding attention window (None: that layer attends to the whole context), as
+    transformers reads the config: ``layer_types`` ("sliding_attention" / "full_attention") where
+    given; else Qwen2's ``use_sliding_window`` with ``max_window_layers`` (layers from that index
+    on are windowed); else Mistral's ``sliding_window`` for every layer."""
+    n = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return [None] * n
+    window = int(window)
     layer_types = getattr(cfg, "layer_types", None)
-    if window is None:
-        return None
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    if getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    first = getattr(cfg, "max_window_layers", None) if hasattr(cfg, "use_sliding_window") else None
+    return [window if first is None or i >= first else None for i in range(n)]
+
+
+def sliding_window(cfg) -> int | None:
+    """The smallest attention window any layer uses, or None if every layer attends to all."""
+    windows = [w for w in layer_windows(cfg) if w is not None]
+    return min(windows) if windows else None
