@@ -11,7 +11,8 @@ modeling_gemma3 computes them:
 - a GeGLU MLP (tanh-approximated gelu on the gate);
 - ``layer_types``: "sliding_attention" layers use their own RoPE table (``rope_local_base_freq``,
   transformers' ``rope_parameters["sliding_attention"]``), "full_attention" layers the global one
-  (``rope_theta`` with its scaling).
+  (``rope_theta`` with its scaling); the sliding layers attend to the last ``sliding_window``
+  positions (paged_attention's window), the full ones to the whole sequence.
 
 It runs the plain PyTorch layers; attention goes through paged_attention, so the compiled
 attention kernels serve it where the runner chose them. llama.py's fused CPU layer loop is not
@@ -24,10 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_attention import paged_attention
 from pagedllm.kernels.interface import CpuKernels
-from pagedllm.models.llama import Attention, LlamaForCausalLM, RotaryEmbedding, apply_rope
+from pagedllm.models.llama import Attention, LlamaForCausalLM, RotaryEmbedding, layer_windows
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -48,25 +47,14 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(Attention):
-    """Llama's attention with Gemma's q / k norms and scale; ``window``: the number of latest
-    positions a query sees on a "sliding_attention" layer, None on a "full_attention" one."""
+    """Llama's attention (its forward) with Gemma's q / k norms and scale. ``window``: a
+    "sliding_attention" layer's sliding window, None on a "full_attention" layer."""
 
-    def __init__(self, cfg, layer_type: str) -> None:
-        super().__init__(cfg, qkv_bias=bool(getattr(cfg, "attention_bias", False)))
+    def __init__(self, cfg, window: int | None) -> None:
+        super().__init__(cfg, qkv_bias=bool(getattr(cfg, "attention_bias", False)), window=window)
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.window = int(cfg.sliding_window) if layer_type == "sliding_attention" else None
-
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        q, k = apply_rope(q, k, *rope)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class GeGLUMLP(nn.Module):
@@ -89,12 +77,12 @@ class GeGLUMLP(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Both sublayers normed on the way in and on the way out, before the residual add."""
 
-    def __init__(self, cfg, layer_type: str) -> None:
+    def __init__(self, cfg, layer_type: str, window: int | None) -> None:
         super().__init__()
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.layer_type = layer_type
+        self.layer_type = layer_type  # which RoPE table it takes
         self.input_layernorm = GemmaRMSNorm(dim, eps)
-        self.self_attn = Gemma3Attention(cfg, layer_type)
+        self.self_attn = Gemma3Attention(cfg, window)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
         self.mlp = GeGLUMLP(cfg)
@@ -135,7 +123,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.config = cfg
         self.layer_types = list(cfg.layer_types)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, t) for t in self.layer_types)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, t, w) for t, w in zip(self.layer_types, layer_windows(cfg), strict=True)
+        )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
