@@ -59,6 +59,9 @@ class EngineConfig:
     # On by default as in vLLM: measured free on a workload with no shared prefixes (200 ShareGPT
     # requests, 61.9 s on vs 61.2 s off, within run-to-run noise).
     enable_prefix_caching: bool = True
+    # vLLM's: sliding-window layers attend to the whole context, capped at the window (no block
+    # release); False: they attend through their window at any context length.
+    disable_sliding_window: bool = False
     # Scheduler
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 256

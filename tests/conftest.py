@@ -24,6 +24,16 @@ def tiny_llama(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama"]
 
 
+# Narrower than most test prompts: attention and block release run their sliding-window paths.
+TINY_WINDOW = 12
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_windowed(tmp_path_factory) -> str:
+    """Tiny Mistral whose layers attend through a TINY_WINDOW-token sliding window."""
+    return build_model("mistral", str(tmp_path_factory.mktemp("tiny_models") / "mistral_w"), sliding_window=TINY_WINDOW)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of many tiny-model runs (``pytestmark = pytest.mark.usefixtures(...)``): a tiny

@@ -85,9 +85,12 @@ GEMMA3_WINDOW = 160
 FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gemma3")
 
 
-def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None = None) -> str:
+def build_model(
+    family: str, out_dir: str, seed: int = 0, head_dim: int | None = None, sliding_window: int | None = None
+) -> str:
     """Writes a tiny checkpoint of the family into out_dir (if not already there). ``head_dim``:
-    "llama" only, an explicit head size instead of hidden_size / heads (16)."""
+    "llama" only, an explicit head size instead of hidden_size / heads (16). ``sliding_window``:
+    "mistral" only, its attention window (default 4096: wider than any test's context)."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -154,7 +157,7 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
             num_key_value_heads=2,
             head_dim=64,
             tie_word_embeddings=False,
-            sliding_window=4096,
+            sliding_window=sliding_window or 4096,
             rope_theta=10000.0,
             **common,
         )
@@ -188,6 +191,8 @@ def build_model(family: str, out_dir: str, seed: int = 0, head_dim: int | None =
         raise ValueError(family)
     if head_dim is not None and family != "llama":
         raise ValueError(f"head_dim is a 'llama' option, not {family!r}'s")
+    if sliding_window is not None and family != "mistral":
+        raise ValueError(f"sliding_window is a 'mistral' option, not {family!r}'s")
     torch.manual_seed(seed)
     model = cls(cfg)
     _init(model, std=0.15, seed=seed)

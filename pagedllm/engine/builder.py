@@ -59,7 +59,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     native_gguf = native_gguf_path(config)
     model_path = resolve_model_path(config.model, weights=native_gguf is None, revision=config.revision)
     hf_config = load_hf_config(model_path)
-    max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
+    max_model_len = resolve_max_model_len(hf_config, config.max_model_len, config.disable_sliding_window)
+    if config.disable_sliding_window:
+        # vLLM's meaning: every layer attends to the whole context, which the cap above keeps
+        # within the window, so the outputs are the windowed model's.
+        hf_config.sliding_window = None
     dtype = resolve_dtype(config.dtype, hf_config, device)
     t0 = time.perf_counter()
     kernels = None
@@ -218,11 +222,14 @@ def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_blo
     return num_host
 
 
-def resolve_max_model_len(hf_config, wanted: int | None) -> int:
+def resolve_max_model_len(hf_config, wanted: int | None, disable_sliding_window: bool = False) -> int:
+    """The context length: the model's, or ``wanted`` within it. Sliding-window layers attend
+    through their window at any length; ``disable_sliding_window`` (vLLM's) makes them attend to
+    everything instead, and so caps the context at the smallest window."""
     model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
     window = sliding_window(hf_config)
-    if window is not None and window < model_len:
-        logger.warning("sliding window %d < context %d: max_model_len capped at the window", window, model_len)
+    if disable_sliding_window and window is not None and window < model_len:
+        logger.info("disable_sliding_window: max_model_len capped at the sliding window %d", window)
         model_len = window
     if wanted is None:
         return model_len

@@ -46,6 +46,7 @@ _HELP = {
     "kv_layout": "paged (default) or contiguous (baseline reservation policies)",
     "reserve": "contiguous layout: max | pow2 | oracle",
     "max_model_len": "context length (default: the model's)",
+    "disable_sliding_window": "sliding-window layers attend to everything, context capped at the window",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
     "num_threads": "torch intra-op threads",
