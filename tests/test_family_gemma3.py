@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fidelity import assert_greedy_matches_transformers
+from test_fidelity import assert_greedy_matches_transformers, hf_reference, make_prompts
+from tiny_models import GEMMA3_WINDOW
 
 from pagedllm import LLM, SamplingParams
 
@@ -20,6 +21,24 @@ def test_greedy_matches_transformers_on_each_path(tiny_model_dirs, backend):
     outs = assert_greedy_matches_transformers(tiny_model_dirs["gemma3"], attention_backend=backend)
     # the tiny model must not be degenerate, or matching would prove little
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 20
+
+
+def test_the_window_changes_transformers_scores(tiny_model_dirs):
+    """The reference is windowed for real: the prompts outgrow the window, and with a window wider
+    than them transformers itself scores the same tokens differently (else matching it would
+    prove nothing about the sliding layers)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dirs["gemma3"]
+    prompts = make_prompts()
+    assert max(len(p) for p in prompts) > 2 * GEMMA3_WINDOW
+    prompt = prompts[-1]
+    toks, windowed_lp = hf_reference(model_dir, [prompt])[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, sliding_window=4096)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt + toks])).logits[0], dim=-1)
+    full_lp = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(toks)]
+    assert max(abs(a - b) for a, b in zip(full_lp, windowed_lp, strict=True)) > 1e-2
 
 
 def test_bf16_follows_transformers_bf16(tiny_model_dirs):
@@ -55,7 +74,8 @@ def test_model_keeps_both_layer_types_and_no_fused_layers(tiny_model_dirs):
     model = llm.llm_engine.model
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert model.kernels is None  # the fused layer loop computes Llama's norms, never Gemma's
-    assert [layer.self_attn.window is not None for layer in model.layers] == [True, False, True, False]
+    assert [layer.self_attn.window for layer in model.layers] == [GEMMA3_WINDOW, None, GEMMA3_WINDOW, None]
+    assert llm.llm_engine.max_model_len == 512  # the model's own context: the window caps nothing
     assert sorted(model.ropes) == ["full_attention", "sliding_attention"]
 
 
