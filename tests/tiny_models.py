@@ -14,16 +14,28 @@ CORPUS = (
 )
 
 
-def build_tokenizer(out_dir: str) -> None:
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Gemma's turn format: the template writes the BOS, the assistant's role is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _train_bpe(special_tokens: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -31,11 +43,28 @@ def build_tokenizer(out_dir: str) -> None:
     n = tok.get_vocab_size()
     if n < VOCAB:
         tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - n)])
+    return tok
+
+
+def build_tokenizer(out_dir: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-    hf.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(out_dir)
+
+
+def build_gemma_tokenizer(out_dir: str) -> None:
+    """Gemma's special-token ids (pad 0, eos 1, bos 2, turn markers) and its BOS handling:
+    encoding a text prepends <bos>, as Gemma's tokenizer does."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_bpe(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    hf.chat_template = GEMMA_TEMPLATE
     hf.save_pretrained(out_dir)
 
 
@@ -51,7 +80,11 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gpt2", "opt", "opt_postln")
+# Gemma 3's sliding window: narrower than most test prompts, so its sliding layers attend to only
+# part of the context while its full layers see all of it.
+GEMMA3_WINDOW = 24
+
+FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gpt2", "opt", "opt_postln", "gemma3")
 
 
 def build_model(
@@ -67,6 +100,8 @@ def build_model(
     "mistral" only, its attention window (default 4096: wider than any test's context).
     ``config_overrides``: config attributes set before the model is built (a variant of the family)."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         GPT2Config,
         GPT2LMHeadModel,
         LlamaConfig,
@@ -178,6 +213,21 @@ def build_model(
             eos_token_id=0,
         )
         cls = OPTForCausalLM
+    elif family == "gemma3":  # both layer types (own RoPE each, linear scaling on the global), GQA, tied
+        cfg = Gemma3TextConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,  # not head_dim: the attention scale must come from it
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            sliding_window=GEMMA3_WINDOW,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            tie_word_embeddings=True,
+            **{**common, "num_hidden_layers": 4, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+        )
+        cls = Gemma3ForCausalLM
     else:
         raise ValueError(family)
     if head_dim is not None and family != "llama":
@@ -196,5 +246,5 @@ def build_model(
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
-    build_tokenizer(out_dir)
+    (build_gemma_tokenizer if family == "gemma3" else build_tokenizer)(out_dir)
     return out_dir

@@ -142,7 +142,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations]
+        texts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in conversations]
+        # No special tokens added: the template writes them (a BOS twice would change the output),
+        # as the server renders chats (serving_chat) and vLLM's LLM.chat does.
+        tok = self.get_tokenizer()
+        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(

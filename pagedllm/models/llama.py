@@ -39,14 +39,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_len, computed as transformers computes them."""
+    """cos/sin tables for every position up to max_len, computed as transformers computes them.
 
-    def __init__(self, hf_config, max_len: int) -> None:
+    ``layer_type``: for configs whose ``rope_parameters`` hold one dict per layer type (Gemma 3:
+    "sliding_attention", "full_attention"), the type whose parameters make this table."""
+
+    def __init__(self, hf_config, max_len: int, layer_type: str | None = None) -> None:
         super().__init__()
-        rope_type = _rope_type(hf_config)
+        rope_type = _rope_type(hf_config, layer_type)
         if rope_type in ("dynamic", "longrope"):
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
-        inv_freq, attention_scaling = _rope_inv_freq(hf_config, rope_type)
+        inv_freq, attention_scaling = _rope_inv_freq(hf_config, rope_type, layer_type)
         pos = torch.arange(max_len, dtype=torch.float)
         freqs = pos[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -83,22 +86,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_inv_freq(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
+def _rope_inv_freq(hf_config, rope_type: str, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies and attention scaling as transformers' LlamaRotaryEmbedding makes
     them: its formula for the default type, its rope-init functions for the others. Not the class
     itself: importing modeling_llama costs ~70 MB of resident memory for one small table."""
     if rope_type == "default":
-        params = getattr(hf_config, "rope_parameters", None) or {}
+        params = _rope_params(hf_config, layer_type)
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)  # (config, device)
+    if layer_type is None:
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)  # (config, device)
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, layer_type=layer_type)
 
 
-def _rope_type(hf_config) -> str:
+def _rope_params(hf_config, layer_type: str | None = None) -> dict:
+    """The RoPE parameters dict: the config's own, or for ``layer_type`` its entry in the
+    per-layer-type dict transformers keeps for models like Gemma 3."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return params[layer_type] if layer_type is not None else params
+
+
+def _rope_type(hf_config, layer_type: str | None = None) -> str:
+    params = _rope_params(hf_config, layer_type)
     return params.get("rope_type", params.get("type", "default"))
 
 
@@ -205,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias_default = False
     qk_norm = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # fused [gate; up] projections whose packed bf16 GEMM may apply silu(gate) * up in its epilogue
+    silu_mul_projections: tuple[str, ...] = ("gate_up_proj",)
 
     def __init__(self, hf_config, max_model_len: int) -> None:
         super().__init__()
@@ -380,7 +394,7 @@ class LlamaForCausalLM(nn.Module):
         packed. ``kernels``: the compiled CPU kernels (packed_gemm), or None for oneDNN."""
         from pagedllm.models.cpu_linear import pack_linears, packed_lm_head, place_on_huge_pages
 
-        packed = pack_linears(self.layers, kernels, fuse_silu_mul_names=("gate_up_proj",))
+        packed = pack_linears(self.layers, kernels, fuse_silu_mul_names=self.silu_mul_projections)
         if packed:
             w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             self.packed_head = packed_lm_head(w, kernels)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.opt import OPTForCausalLM
@@ -11,6 +12,7 @@ from pagedllm.models.opt import OPTForCausalLM
 # Every class here provides pagedllm.models.interface.CausalLM.
 _MODELS: dict[str, type[nn.Module]] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
