@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedllm.models.llama import RotaryEmbedding
 from pagedllm.models.plain_config import read_plain_config
 from pagedllm.models.registry import get_model_class
 
@@ -85,7 +84,7 @@ def load_model(
     model = model.to_empty(device=device).to(dtype=dtype)
     model.load_hf_weights(iter_safetensors(model_dir))
     # RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does).
-    model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
+    model.rope = type(model.rope)(hf_config, model.rope.max_len).to(device)
     model.eval()
     model.requires_grad_(False)
     # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)

@@ -25,7 +25,6 @@ from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
 from pagedllm.models.gguf_tensors import read_gguf_tensors
-from pagedllm.models.llama import RotaryEmbedding
 from pagedllm.models.loader_gguf import _hf_name, _unpermute
 from pagedllm.models.quantized_linear import QUANTIZED_TYPES, ConcatLinear, QuantizedEmbedding, QuantizedLinear
 from pagedllm.models.registry import get_model_class
@@ -177,7 +176,7 @@ def load_gguf_model(
         raise ValueError(f"{gguf_path}: weights not loaded: {leftover}")
     del file_tensors  # drop the memory map: every tensor kept was copied out of it
 
-    model.rope = RotaryEmbedding(hf_config, model.rope.cos.shape[0]).to(device)
+    model.rope = type(model.rope)(hf_config, model.rope.max_len).to(device)
     model.eval()
     model.requires_grad_(False)
     # what load_model counts (parameters before packing), for FLOP-per-token figures; the tied
