@@ -105,7 +105,8 @@ class LLMEngine:
         clashes = [f"{request_id}#{i}" for i in range(1, num_seqs) if f"{request_id}#{i}" in self._group_of]
         if clashes:
             raise ValueError(f"request_id {request_id!r} clashes with a sequence id in use ({clashes[0]!r}).")
-        first = Sequence(request_id, ids, params, arrival_time=arrival_time)
+        salt = self.model.prefix_cache_salt(len(ids))
+        first = Sequence(request_id, ids, params, arrival_time=arrival_time, cache_salt=salt)
         if params.structured_outputs is not None:
             first.grammar = self.structured.new_state(params.structured_outputs)
         self._groups[request_id] = SampleGroup(
@@ -136,7 +137,8 @@ class LLMEngine:
         if params.temperature > 0:
             sp.logprob_temperature = params.temperature
         text, ids = self._prompt(prompt, sp)
-        first = Sequence(request_id, ids, sp, arrival_time=arrival_time, auto_append=False)
+        salt = self.model.prefix_cache_salt(len(ids))
+        first = Sequence(request_id, ids, sp, arrival_time=arrival_time, auto_append=False, cache_salt=salt)
         group = BeamGroup(request_id, text, first, search, self.core, self._group_of, self.tokenizer)
         self._groups[request_id] = group
         return request_id
