@@ -25,7 +25,7 @@ def run(model_dir: str, prompts, **engine_kwargs) -> tuple[list[list[int]], LLM]
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])  # qwen3: per-head q/k norms before RoPE
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])  # qwen3: q/k norms; phi3: LongRoPE
 def model_dir(request, tiny_model_dirs) -> str:
     return tiny_model_dirs[request.param]
 
