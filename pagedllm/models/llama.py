@@ -380,11 +380,6 @@ class LlamaForCausalLM(nn.Module):
             h = kernels.add_rms_norm(m, residual, lyr.next_norm_w, lyr.next_norm_eps)
         return h
 
-    def prefix_cache_salt(self, num_prompt_tokens: int) -> bytes | None:
-        """What besides its tokens decides a sequence's cached keys (Sequence.cache_salt), or None
-        where the tokens alone do: every family here but LongRoPE's (models/phi3.py)."""
-        return None
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler widens them only when it has to)."""
         if self.packed_head is not None:

@@ -115,8 +115,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     rope_class = Phi3RotaryEmbedding
 
     def prefix_cache_salt(self, num_prompt_tokens: int) -> bytes | None:
-        """With LongRoPE, whether the prompt is long: then every position takes the long factors,
-        else those below the original length take the short ones (see the module's docstring)."""
+        """What besides its tokens decides a sequence's cached keys (the engine's
+        Sequence.cache_salt; an optional model method). With LongRoPE, whether the prompt is long:
+        then every position takes the long factors, else those below the original length take
+        the short ones (see the module's docstring)."""
         orig = self.rope.original_max
         if orig is None:
             return None
