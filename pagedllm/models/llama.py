@@ -108,7 +108,7 @@ def _rope_inv_freq(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
         params = getattr(hf_config, "rope_parameters", None) or {}
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        dim = int(dim * params.get("partial_rotary_factor", 1.0))  # RoPE on the first dims only (Phi-4-mini)
+        dim = int(dim * (params.get("partial_rotary_factor") or 1.0))  # RoPE on the first dims only (Phi-4-mini)
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
