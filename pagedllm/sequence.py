@@ -71,8 +71,12 @@ class Sequence:
         arrival_time: float | None = None,
         seed: int | None = None,
         auto_append: bool = True,
+        cache_salt: bytes | None = None,
     ) -> None:
+        """``cache_salt``: what besides its tokens decides its cached keys (the model's
+        prefix_cache_salt): prefix-cache blocks are shared only between equal salts."""
         self.seq_id = seq_id
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -170,6 +174,7 @@ class Sequence:
             arrival_time=self.arrival_time,
             seed=seed,
             auto_append=self.auto_append,
+            cache_salt=self.cache_salt,
         )
         child.output_token_ids = list(self.output_token_ids[: n - self.num_prompt_tokens])
         child.all_token_ids = list(self.all_token_ids[:n])

@@ -34,10 +34,11 @@ def hf_reference(model_dir: str, prompts: list[list[int]]) -> list[tuple[list[in
     return out
 
 
-def assert_greedy_matches_transformers(model_dir: str, **engine_kwargs) -> list:
-    """fp32 greedy tokens of make_prompts() equal HF's, their logprobs within 1e-4; the outputs."""
+def assert_greedy_matches_transformers(model_dir: str, reference=hf_reference, **engine_kwargs) -> list:
+    """fp32 greedy tokens of make_prompts() equal HF's, their logprobs within 1e-4; the outputs.
+    ``reference``: hf_reference, or another function of (model_dir, prompts) of its shape."""
     prompts = make_prompts()
-    ref = hf_reference(model_dir, prompts)
+    ref = reference(model_dir, prompts)
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, block_size=16, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

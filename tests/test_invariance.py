@@ -26,8 +26,8 @@ def run(model_dir: str, prompts, **engine_kwargs) -> tuple[list[list[int]], LLM]
 
 
 # qwen3: per-head q/k norms before RoPE; gpt2 / opt / opt_postln: learned positions, LayerNorm;
-# gemma3: its own layers, two layer types
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2", "opt", "opt_postln", "gemma3"])
+# gemma3: its own layers, two layer types; phi3: LongRoPE
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2", "opt", "opt_postln", "gemma3", "phi3"])
 def model_dir(request, tiny_model_dirs) -> str:
     return tiny_model_dirs[request.param]
 

@@ -84,7 +84,35 @@ def _init(model: torch.nn.Module, std: float, seed: int) -> None:
 # part of the context while its full layers see all of it.
 GEMMA3_WINDOW = 24
 
-FAMILIES = ("llama", "llama3_rope", "qwen2", "mistral", "qwen3", "gpt2", "opt", "opt_postln", "gemma3")
+FAMILIES = (
+    "llama",
+    "llama3_rope",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "gpt2",
+    "opt",
+    "opt_postln",
+    "gemma3",
+    "phi3",
+    "phi3_partial",
+)
+# LongRoPE's original context in the tiny Phi-3 models: small, so that test prompts and
+# generations fall on both sides of it and cross it.
+PHI3_ORIGINAL_MAX = 64
+
+
+def _longrope(rot_dim: int, seed: int) -> dict:
+    """LongRoPE scaling with distinct short and long factors (one per rotary pair)."""
+    g = torch.Generator().manual_seed(seed)
+    short = 1.0 + 0.5 * torch.rand(rot_dim // 2, generator=g)
+    long = 2.0 + 6.0 * torch.rand(rot_dim // 2, generator=g)
+    return {
+        "rope_type": "longrope",
+        "short_factor": short.tolist(),
+        "long_factor": long.tolist(),
+        "original_max_position_embeddings": PHI3_ORIGINAL_MAX,
+    }
 
 
 def build_model(
@@ -110,6 +138,8 @@ def build_model(
         MistralForCausalLM,
         OPTConfig,
         OPTForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -228,6 +258,32 @@ def build_model(
             **{**common, "num_hidden_layers": 4, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
         )
         cls = Gemma3ForCausalLM
+    elif family == "phi3":  # Phi-3-mini's shape: fused qkv / gate_up, LongRoPE, MHA, untied
+        cfg = Phi3Config(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rope_scaling=_longrope(16, seed),
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+            sliding_window=2047,  # as Phi-3's configs: longer than any test context
+            pad_token_id=0,
+            **common,
+        )
+        cls = Phi3ForCausalLM
+    elif family == "phi3_partial":  # Phi-4-mini's shape: RoPE on 3/4 of each head, LongRoPE, GQA, tied
+        cfg = Phi3Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            rope_scaling={**_longrope(12, seed + 1), "partial_rotary_factor": 0.75},
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+            pad_token_id=0,
+            **common,
+        )
+        cls = Phi3ForCausalLM
     else:
         raise ValueError(family)
     if head_dim is not None and family != "llama":

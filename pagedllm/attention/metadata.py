@@ -44,6 +44,10 @@ class AttentionMetadata:
     # Compiled prefill kernel for all prefill chunks at once (pagedllm.kernels.paged_prefill_attention),
     # or None: torch SDPA per sequence.
     prefill_kernel: Callable | None = None
+    # [num_tokens] long: the prompt length of each row's sequence (its original prompt, also
+    # after a recompute preemption). Not for attention: LongRoPE (models/phi3.py) picks its
+    # factors per sequence by it. None where the caller builds no such rows.
+    prompt_lens: torch.Tensor | None = None
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _prefill_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

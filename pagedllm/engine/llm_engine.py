@@ -42,6 +42,9 @@ class LLMEngine:
         self.dtype = parts.dtype
         self.device = parts.device
         self.model = parts.model
+        # Optional model method: what besides its tokens decides a sequence's cached keys (a
+        # prefix-cache salt, by prompt length), for families where the tokens alone do not.
+        self._prefix_cache_salt = getattr(parts.model, "prefix_cache_salt", lambda num_prompt_tokens: None)
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.token_texts = TokenTexts(parts.tokenizer)
@@ -105,7 +108,8 @@ class LLMEngine:
         clashes = [f"{request_id}#{i}" for i in range(1, num_seqs) if f"{request_id}#{i}" in self._group_of]
         if clashes:
             raise ValueError(f"request_id {request_id!r} clashes with a sequence id in use ({clashes[0]!r}).")
-        first = Sequence(request_id, ids, params, arrival_time=arrival_time)
+        salt = self._prefix_cache_salt(len(ids))
+        first = Sequence(request_id, ids, params, arrival_time=arrival_time, cache_salt=salt)
         if params.structured_outputs is not None:
             first.grammar = self.structured.new_state(params.structured_outputs)
         self._groups[request_id] = SampleGroup(
@@ -136,7 +140,8 @@ class LLMEngine:
         if params.temperature > 0:
             sp.logprob_temperature = params.temperature
         text, ids = self._prompt(prompt, sp)
-        first = Sequence(request_id, ids, sp, arrival_time=arrival_time, auto_append=False)
+        salt = self._prefix_cache_salt(len(ids))
+        first = Sequence(request_id, ids, sp, arrival_time=arrival_time, auto_append=False, cache_salt=salt)
         group = BeamGroup(request_id, text, first, search, self.core, self._group_of, self.tokenizer)
         self._groups[request_id] = group
         return request_id

@@ -40,8 +40,12 @@ class BlockHash(NamedTuple):
         return h.digest()
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    return BlockHash(None if parent is None else parent.digest(), tuple(token_ids))
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes | None = None) -> BlockHash:
+    """``salt``: the first block's stand-in for a parent, what besides the tokens decides the
+    sequence's keys (Sequence.cache_salt); hashed, so it is never some block's digest."""
+    if parent is not None:
+        return BlockHash(parent.digest(), tuple(token_ids))
+    return BlockHash(None if salt is None else hashlib.sha256(salt).digest(), tuple(token_ids))
 
 
 class BlockPool:

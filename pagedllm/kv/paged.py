@@ -76,7 +76,7 @@ class PagedKVCacheManager(KVCacheManager):
         tokens = seq.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

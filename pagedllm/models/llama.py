@@ -41,21 +41,32 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_len, computed as transformers computes them.
 
+    The kernels and ``tables`` index them by table row: ``table_rows`` maps this step's positions
+    to rows (the position itself here; a family whose RoPE varies per sequence keeps several
+    tables in one and offsets the rows, see models/phi3.py).
+
     ``layer_type``: for configs whose ``rope_parameters`` hold one dict per layer type (Gemma 3:
     "sliding_attention", "full_attention"), the type whose parameters make this table."""
 
     def __init__(self, hf_config, max_len: int, layer_type: str | None = None) -> None:
         super().__init__()
-        rope_type = _rope_type(hf_config, layer_type)
+        self.max_len = max_len
+        self.layer_type = layer_type
+        cos, sin = self._build_tables(hf_config, max_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self._bf16: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _build_tables(self, hf_config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rope_type = _rope_type(hf_config, self.layer_type)
         if rope_type in ("dynamic", "longrope"):
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
-        inv_freq, attention_scaling = _rope_inv_freq(hf_config, rope_type, layer_type)
-        pos = torch.arange(max_len, dtype=torch.float)
-        freqs = pos[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
-        self._bf16: tuple[torch.Tensor, torch.Tensor] | None = None
+        inv_freq, attention_scaling = _rope_inv_freq(hf_config, rope_type, self.layer_type)
+        return rope_cos_sin(inv_freq, attention_scaling, max_len)
+
+    def table_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The table row of each token of the step: its position."""
+        return positions
 
     def bf16_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole cos/sin tables in bf16 (the fused CPU RoPE kernel indexes them itself), made once."""
@@ -72,9 +83,17 @@ class RotaryEmbedding(nn.Module):
         """The fused CPU RoPE kernel's tables for activations of ``dtype`` (bf16 or float32)."""
         return self.bf16_tables() if dtype == torch.bfloat16 else self.f32_tables()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for this step's positions, [T, 1, D], looked up once for all layers."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+    def tables(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of this step's table rows (``table_rows``), [T, 1, D], looked up once for all layers."""
+        return self.cos[rows].to(dtype).unsqueeze(1), self.sin[rows].to(dtype).unsqueeze(1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, attention_scaling: float, num_positions: int):
+    """cos/sin [num_positions, 2 * len(inv_freq)] for positions 0.., in transformers' float32 formula."""
+    pos = torch.arange(num_positions, dtype=torch.float)
+    freqs = pos[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -94,6 +113,7 @@ def _rope_inv_freq(hf_config, rope_type: str, layer_type: str | None = None) -> 
         params = _rope_params(hf_config, layer_type)
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        dim = int(dim * (params.get("partial_rotary_factor") or 1.0))  # RoPE on the first dims only (Phi-4-mini)
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -219,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     # fused [gate; up] projections whose packed bf16 GEMM may apply silu(gate) * up in its epilogue
     silu_mul_projections: tuple[str, ...] = ("gate_up_proj",)
+    rope_class: type[RotaryEmbedding] = RotaryEmbedding
 
     def __init__(self, hf_config, max_model_len: int) -> None:
         super().__init__()
@@ -231,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
+        self.rope = self.rope_class(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
         self.packed_head = None
         self.kernels: CpuKernels | None = None  # compiled CPU kernels of the fused path (enable_cpu_kernels)
         self._decoder_plan = None  # float32 decode-only steps in one kernel call (enable_cpu_kernels)
@@ -324,17 +345,20 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(input_ids)
+        rope_rows = self.rope.table_rows(positions, meta)
         if self.kernels is not None:
-            return self._forward_fused(x, positions, kv_caches, meta)
-        rope = self.rope.tables(positions, x.dtype)
+            return self._forward_fused(x, rope_rows, kv_caches, meta)
+        rope = self.rope.tables(rope_rows, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
-    def _forward_fused(self, x, positions, kv_caches, meta: AttentionMetadata):
+    def _forward_fused(self, x, rope_rows, kv_caches, meta: AttentionMetadata):
         """vLLM's layer shape: one residual stream updated in place, each RMSNorm fused with the
         residual add before it (the reference computes the same sums, see DecoderLayer). RoPE and
-        the KV-cache write are one pass over the qkv projection, in place; attention reads q from it."""
+        the KV-cache write are one pass over the qkv projection, in place; attention reads q from it.
+        ``rope_rows``: each token's row of the cos/sin tables (RotaryEmbedding.table_rows), which
+        is all the kernels use positions for."""
         kernels = self.kernels
         attn = self.layers[0].self_attn
         nh, nkv, d, scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
@@ -350,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
             return plan.decode(
                 h,
                 residual,
-                positions,
+                rope_rows,
                 cos,
                 sin,
                 kv_caches,
@@ -366,7 +390,7 @@ class LlamaForCausalLM(nn.Module):
                 k = qkv[:, qs : qs + kvs].view(t, nkv, d)
                 q.copy_(lyr.q_norm(q))
                 k.copy_(lyr.k_norm(k))
-            kernels.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slots, nh, nkv)
+            kernels.rope_and_cache_write(qkv, rope_rows, cos, sin, k_cache, v_cache, slots, nh, nkv)
             q = qkv[:, :qs].view(t, nh, d)
             k = qkv[:, qs : qs + kvs].view(t, nkv, d)
             v = qkv[:, qs + kvs :].view(t, nkv, d)
@@ -404,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_computed_buffers(self, device: torch.device) -> None:
         """RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does)."""
-        self.rope = RotaryEmbedding(self.config, self.rope.cos.shape[0]).to(device)
+        self.rope = type(self.rope)(self.config, self.rope.max_len).to(device)
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_weights(self, tensors) -> None:

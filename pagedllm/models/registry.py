@@ -8,6 +8,7 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.opt import OPTForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 
 # Every class here provides pagedllm.models.interface.CausalLM.
 _MODELS: dict[str, type[nn.Module]] = {
@@ -15,6 +16,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,

@@ -181,6 +181,7 @@ class ModelRunner:
         decode_bt = decode_lens = None
         slot_parts = []
         pos_parts = []
+        prompt_len_parts = []
         if nd:
             pos = [s.num_computed_tokens for s in decodes]
             tokens.extend(s.all_token_ids[p] for s, p in zip(decodes, pos, strict=True))
@@ -190,6 +191,7 @@ class ModelRunner:
             pos_t = torch.tensor(pos, dtype=torch.long)
             slot_parts.append(decode_bt.gather(1, (pos_t // bs).unsqueeze(1)).squeeze(1) * bs + pos_t % bs)
             pos_parts.append(pos_t)
+            prompt_len_parts.append(torch.tensor([s.num_prompt_tokens for s in decodes], dtype=torch.long))
             decode_lens = (pos_t + 1).to(dev)
             decode_bt = decode_bt.to(dev)
             for i, s in enumerate(decodes):
@@ -209,6 +211,7 @@ class ModelRunner:
             prompt_run(s, q_start, start, n)
             p = torch.arange(start, end, dtype=torch.long)
             pos_parts.append(p)
+            prompt_len_parts.append(torch.full((n,), s.num_prompt_tokens, dtype=torch.long))
             slot_parts.append(row[p // bs] * bs + p % bs)
             mask = None
             if start > 0 and self.prefill_kernel is None:  # the kernel masks by positions itself
@@ -236,6 +239,7 @@ class ModelRunner:
             prefills=prefill_seqs,
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
+            prompt_lens=torch.cat(prompt_len_parts).to(dev),
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts).to(dev)
