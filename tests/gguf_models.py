@@ -34,8 +34,13 @@ _NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
-# model_type -> llama.cpp's general.architecture, and whether its converter permutes q/k rows
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+# model_type -> llama.cpp's general.architecture, whether its converter permutes q/k rows, and the
+# tokenizer.ggml.pre it writes for the family's BPE ("qwen2": Qwen's split regex)
+ARCHITECTURES = {
+    "llama": ("llama", True, "default"),
+    "qwen2": ("qwen2", False, "qwen2"),
+    "qwen3": ("qwen3", False, "qwen2"),
+}
 
 
 def gguf_name(hf: str) -> str:
@@ -83,7 +88,7 @@ def write_gguf(
         cfg = json.load(f)
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
     rng = np.random.default_rng(seed)
-    arch, permuted = ARCHITECTURES[cfg["model_type"]]
+    arch, permuted, pre = ARCHITECTURES[cfg["model_type"]]
     w = GGUFWriter(path, architecture or arch)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
@@ -99,7 +104,7 @@ def write_gguf(
     # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
     w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
-    _add_tokenizer(w, hf_dir)
+    _add_tokenizer(w, hf_dir, pre)
     for name, t in tensors.items():
         gname = gguf_name(name)
         a = t.float().numpy()
@@ -127,8 +132,9 @@ def write_gguf(
     return path
 
 
-def _add_tokenizer(w: GGUFWriter, hf_dir: str) -> None:
-    """The tiny byte-level BPE tokenizer as llama.cpp's "gpt2" vocab (what transformers reads back)."""
+def _add_tokenizer(w: GGUFWriter, hf_dir: str, pre: str) -> None:
+    """The tiny byte-level BPE tokenizer as llama.cpp's "gpt2" vocab (what transformers reads back),
+    with its chat template."""
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
     vocab = dict(tok["model"]["vocab"])
@@ -140,12 +146,16 @@ def _add_tokenizer(w: GGUFWriter, hf_dir: str) -> None:
     special = {a["id"] for a in tok.get("added_tokens", [])}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
+    template = os.path.join(hf_dir, "chat_template.jinja")  # where transformers 5 saves it
+    if os.path.isfile(template):
+        with open(template) as f:
+            w.add_chat_template(f.read())
 
 
 def tiny_kquant_hf(out_dir: str) -> str:
