@@ -338,7 +338,8 @@ def _greedy(path: str, **kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.fixture(scope="module", params=["legacy", "kquant"])
+# qwen3: its per-head q/k norms run between the quantized projection and RoPE
+@pytest.fixture(scope="module", params=["legacy", "kquant", "qwen3"])
 def greedy_baseline(request, gguf_files, kernels):
     path = gguf_files[request.param]
     toks, llm = _greedy(path, max_num_seqs=1)  # one request at a time, whole prompts: the simplest schedule
