@@ -109,8 +109,8 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
         **values,
         "rope_scaling": rope_scaling,
         "hidden_act": "silu",
-        # HF's attention_bias puts a bias on o_proj too (and on q/k/v, where the family's q/k/v
-        # biases are not the model class's own, as Qwen2's are): read it from the output bias.
+        # HF's attention_bias means q/k/v *and* o_proj have biases (Llama, Qwen3). Qwen2's q/k/v
+        # biases come with its model class and its o_proj has none: so the output bias decides.
         "attention_bias": "blk.0.attn_output.bias" in tensor_names,
         **arch.config,
         # llama.cpp omits output.weight when lm_head shares the embedding matrix.
