@@ -1,10 +1,11 @@
-"""Writes tiny llama GGUF files (llama.cpp layout) for the quantized-execution tests.
+"""Writes tiny GGUF files (llama.cpp layout) for the GGUF loading and quantized-execution tests.
 
-Weights come from a tiny HF checkpoint (tiny_models.build_model), permuted as llama.cpp's converter
-does, and quantized with gguf-py's own quantizers (Q4_0 / Q4_1 / Q8_0). gguf-py cannot quantize
-K-quants, so K-quant tensors get hand-packed blocks: random quant bits and sub-block scales with
-small fp16 super-block scales (any bit pattern is a valid block; the tests compare paths, not
-against the float checkpoint).
+Weights come from a tiny HF checkpoint (tiny_models.build_model: llama, qwen2 or qwen3), q/k rows
+permuted as llama.cpp's converter does for llama (not for qwen2 / qwen3: NEOX RoPE), and quantized
+with gguf-py's own quantizers (Q4_0 / Q4_1 / Q8_0). gguf-py cannot quantize K-quants, so K-quant
+tensors get hand-packed blocks: random quant bits and sub-block scales with small fp16 super-block
+scales (any bit pattern is a valid block; the tests compare paths, not against the float
+checkpoint).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ _NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+# model_type -> llama.cpp's general.architecture, whether its converter permutes q/k rows, and the
+# tokenizer.ggml.pre it writes for the family's BPE ("qwen2": Qwen's split regex)
+ARCHITECTURES = {
+    "llama": ("llama", True, "default"),
+    "qwen2": ("qwen2", False, "qwen2"),
+    "qwen3": ("qwen3", False, "qwen2"),
 }
 
 
@@ -42,7 +52,7 @@ def gguf_name(hf: str) -> str:
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permute of q/k rows (the inverse of loader_gguf._unpermute)."""
+    """llama.cpp's convert_hf_to_gguf permute of q/k rows (the inverse of gguf_arch.unpermute_rows)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -62,16 +72,24 @@ def pack_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.
     return raw.reshape(rows, -1)
 
 
-def write_gguf(hf_dir: str, path: str, formats: dict[str, GGMLQuantizationType], seed: int = 0) -> str:
-    """Writes hf_dir's model as a llama GGUF at path. ``formats``: per GGUF tensor kind ("attn_q",
-    "ffn_down", "token_embd", "output", ...) its type; unlisted matrices Q8_0, 1-D tensors F32."""
+def write_gguf(
+    hf_dir: str,
+    path: str,
+    formats: dict[str, GGMLQuantizationType],
+    seed: int = 0,
+    architecture: str | None = None,
+) -> str:
+    """Writes hf_dir's model as a GGUF of its family at path. ``formats``: per GGUF tensor kind
+    ("attn_q", "ffn_down", "token_embd", "output", ...) its type; unlisted matrices Q8_0, 1-D
+    tensors F32. ``architecture``: another general.architecture to write (the keys follow it)."""
     from safetensors.torch import load_file
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(path, "llama")
+    arch, permuted, pre = ARCHITECTURES[cfg["model_type"]]
+    w = GGUFWriter(path, architecture or arch)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -79,16 +97,20 @@ def write_gguf(hf_dir: str, path: str, formats: dict[str, GGMLQuantizationType],
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
+    if cfg.get("head_dim"):  # as llama.cpp's converter: only where the config names it
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
-    _add_tokenizer(w, hf_dir)
+    _add_tokenizer(w, hf_dir, pre)
     for name, t in tensors.items():
         gname = gguf_name(name)
         a = t.float().numpy()
-        if ".attn_q." in gname:
+        if permuted and ".attn_q." in gname:
             a = permute(a, n_head)
-        elif ".attn_k." in gname:
+        elif permuted and ".attn_k." in gname:
             a = permute(a, n_kv)
         if a.ndim == 1:
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
@@ -110,8 +132,9 @@ def write_gguf(hf_dir: str, path: str, formats: dict[str, GGMLQuantizationType],
     return path
 
 
-def _add_tokenizer(w: GGUFWriter, hf_dir: str) -> None:
-    """The tiny byte-level BPE tokenizer as llama.cpp's "gpt2" vocab (what transformers reads back)."""
+def _add_tokenizer(w: GGUFWriter, hf_dir: str, pre: str) -> None:
+    """The tiny byte-level BPE tokenizer as llama.cpp's "gpt2" vocab (what transformers reads back),
+    with its chat template."""
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
     vocab = dict(tok["model"]["vocab"])
@@ -123,12 +146,16 @@ def _add_tokenizer(w: GGUFWriter, hf_dir: str) -> None:
     special = {a["id"] for a in tok.get("added_tokens", [])}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
+    template = os.path.join(hf_dir, "chat_template.jinja")  # where transformers 5 saves it
+    if os.path.isfile(template):
+        with open(template) as f:
+            w.add_chat_template(f.read())
 
 
 def tiny_kquant_hf(out_dir: str) -> str:

@@ -1,5 +1,5 @@
 """The config (and tokenizer) of a GGUF-converted folder read without AutoConfig: held equal to
-transformers' own for the tiny GGUF test models and the default model."""
+transformers' own for the tiny GGUF test models (llama, qwen2, qwen3) and the default model."""
 
 from __future__ import annotations
 
@@ -36,11 +36,12 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def converted_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     """Metadata-only conversions (what the native GGUF path loads): tiny untied and tied llamas,
-    and the default model when installed."""
+    the Qwen families, and the default model when installed."""
     root = tmp_path_factory.mktemp("plain_config")
     cache = str(root / "cache")
     dirs = {}
-    for fam in ("llama", "llama3_rope"):  # llama3_rope's GGUF: rope scaling dropped, embeddings tied
+    # llama3_rope's GGUF: rope scaling dropped, embeddings tied; qwen2: tied, MQA; qwen3: head_dim
+    for fam in ("llama", "llama3_rope", "qwen2", "qwen3"):
         gguf = write_gguf(tiny_model_dirs[fam], str(root / f"{fam}.gguf"), {})
         dirs[fam] = resolve_model_path(gguf, cache_dir=cache, weights=False)
     default = default_model_gguf_path()

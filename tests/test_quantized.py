@@ -214,19 +214,26 @@ K_FORMATS = {
 }
 
 
+# Files of the llama architecture, and of the other GGUF families (models/gguf_arch.py) in the
+# legacy formats: qwen2 (q/k/v biases, tied head), qwen3 (per-head q/k norms, untied head); their
+# q/k rows are in HF's order (no un-permutation).
+FILES = ("legacy", "kquant", "qwen2", "qwen3")
+
+
 @pytest.fixture(scope="module")
-def gguf_files(tiny_llama, tmp_path_factory) -> dict[str, str]:
+def gguf_files(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gguf")
     kq = tiny_kquant_hf(str(root / "kquant_hf"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", str(root / "cache"))
         yield {
-            "legacy": write_gguf(tiny_llama, str(root / "legacy.gguf"), LEGACY_FORMATS),
+            "legacy": write_gguf(tiny_model_dirs["llama"], str(root / "legacy.gguf"), LEGACY_FORMATS),
             "kquant": write_gguf(kq, str(root / "kquant.gguf"), K_FORMATS),
+            **{fam: write_gguf(tiny_model_dirs[fam], str(root / f"{fam}.gguf"), LEGACY_FORMATS) for fam in FILES[2:]},
         }
 
 
-@pytest.mark.parametrize("which", ["legacy", "kquant"])
+@pytest.mark.parametrize("which", FILES)
 def test_native_reference_matches_dequantize_at_load(gguf_files, which):
     """The native model on the reference path (no kernels) computes what the dequantized float32
     model computes: same float weights, only a different matmul order -> fp32 rounding, 1e-4."""
@@ -262,9 +269,9 @@ def _hidden(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
 
 # Max logit error allowed, as a fraction of the logit scale. K-quants: int16 activations at every
 # layer (~1e-5 relative rounding each) and another summation order, far below 0.1%. The legacy
-# file's Q4_0 / Q4_1 layers run int8 activations (llama.cpp's scheme: amax / 254 per element,
+# files' Q4_0 / Q4_1 layers run int8 activations (llama.cpp's scheme: amax / 254 per element,
 # ~0.4% of a typical element) through two layers and the head of this random model: a few percent.
-KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 1e-3}
+KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 1e-3, "qwen2": 5e-2, "qwen3": 5e-2}
 
 
 @pytest.mark.parametrize("which", sorted(KERNEL_LOGIT_TOLERANCE))
@@ -280,7 +287,7 @@ def test_kernel_path_close_to_reference(gguf_files, kernels, which):
     assert (lf - lr).abs().max() <= KERNEL_LOGIT_TOLERANCE[which] * lr.abs().max()
 
 
-@pytest.mark.parametrize("which", ["legacy", "kquant"])
+@pytest.mark.parametrize("which", FILES)
 @pytest.mark.parametrize("quantization", ["gguf", None])
 def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantization):
     """Native (QuantizedLinear layers and a QuantizedEmbedding without a float weight) and
@@ -331,7 +338,8 @@ def _greedy(path: str, **kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.fixture(scope="module", params=["legacy", "kquant"])
+# qwen3: its per-head q/k norms run between the quantized projection and RoPE
+@pytest.fixture(scope="module", params=["legacy", "kquant", "qwen3"])
 def greedy_baseline(request, gguf_files, kernels):
     path = gguf_files[request.param]
     toks, llm = _greedy(path, max_num_seqs=1)  # one request at a time, whole prompts: the simplest schedule
@@ -408,9 +416,10 @@ def assert_plan_is_the_fused_loop(llm: LLM) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("which", ["legacy", "kquant"])
+@pytest.mark.parametrize("which", ["legacy", "kquant", "qwen2"])  # qwen3 (q/k norms) has no plan
 def test_decoder_plan_equals_the_fused_loop_gguf(gguf_files, kernels, which):
-    # kquant mixes formats inside the fused qkv projection (a ConcatLinear of three GEMMs)
+    # kquant mixes formats inside the fused qkv projection (a ConcatLinear of three GEMMs), as do
+    # the legacy files
     llm = LLM(
         model=gguf_files[which], dtype="float32", num_kv_blocks=256, quantization="gguf", enable_prefix_caching=False
     )

@@ -4,7 +4,7 @@ gguf-py's GGUFReader turns every metadata array element into numpy views of its 
 49k-token vocabulary with its merges that is ~500k objects, ~150 MB of Python heap while loading
 (which then fragments the heap the weights are copied into). Loading the weights needs only the
 tensor index, so this reads the header, steps over the metadata values (keeping only
-general.alignment) and gives each tensor what GGUFReader's ReaderTensor has for it: name, type,
+general.alignment and general.architecture) and gives each tensor what GGUFReader's ReaderTensor has for it: name, type,
 ggml-order shape and the same data view. tests/test_gguf_tensors.py holds it equal to GGUFReader.
 """
 
@@ -24,6 +24,7 @@ _DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types (gguf.GGUFValueType): byte sizes of the fixed-size ones
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+_ARCHITECTURE = b"general.architecture"
 # Element types of tensors stored as plain numbers (the rest are blocks, viewed as bytes)
 _PLAIN = {
     GGMLQuantizationType.F16: np.float16,
@@ -41,6 +42,11 @@ class GGUFTensor(NamedTuple):
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # ggml order (innermost first), as GGUFReader's
     data: np.ndarray  # read-only view of the file: numbers, or [..., row bytes] uint8 for blocks
+
+
+class GGUFIndex(NamedTuple):
+    architecture: str | None  # general.architecture, None where the file has none
+    tensors: list[GGUFTensor]
 
 
 class _Cursor:
@@ -78,6 +84,12 @@ class _Cursor:
 def read_gguf_tensors(path: str) -> list[GGUFTensor] | None:
     """``path``'s tensors in file order, or None for a file this reader leaves to GGUFReader (a
     byte order other than this machine's little-endian one, or another GGUF version)."""
+    index = read_gguf_index(path)
+    return None if index is None else index.tensors
+
+
+def read_gguf_index(path: str) -> GGUFIndex | None:
+    """``path``'s architecture and tensors (see read_gguf_tensors; None as there)."""
     buf = np.memmap(path, mode="r")
     cur = _Cursor(buf)
     magic, version = cur.take("<II")
@@ -86,7 +98,7 @@ def read_gguf_tensors(path: str) -> list[GGUFTensor] | None:
     if sys.byteorder != "little" or version not in _VERSIONS:
         return None
     n_tensors, n_kv = cur.take("<QQ")
-    alignment = _DEFAULT_ALIGNMENT
+    alignment, architecture = _DEFAULT_ALIGNMENT, None
     for _ in range(n_kv):
         key = cur.string()
         (vtype,) = cur.take("<I")
@@ -96,6 +108,8 @@ def read_gguf_tensors(path: str) -> list[GGUFTensor] | None:
             (alignment,) = cur.take("<I")
             if alignment == 0 or alignment & (alignment - 1):
                 raise ValueError("Invalid alignment: must be a non-zero power of two")
+        elif key == _ARCHITECTURE and vtype == _STRING:
+            architecture = cur.string().decode("utf-8")
         else:
             cur.skip_value(vtype)
     index = []
@@ -122,4 +136,4 @@ def read_gguf_tensors(path: str) -> list[GGUFTensor] | None:
             size = n_elems * nbytes // block
             data = buf[pos : pos + size].reshape(quant_shape_to_byte_shape(np_dims, qtype))
         tensors.append(GGUFTensor(name, qtype, tuple(dims), data))
-    return tensors
+    return GGUFIndex(architecture, tensors)

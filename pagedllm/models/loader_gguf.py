@@ -1,4 +1,7 @@
-"""Convert a llama-architecture GGUF file (llama.cpp format) into a Hugging Face model folder.
+"""Convert a GGUF file (llama.cpp format) into a Hugging Face model folder.
+
+The file's family (``general.architecture``) is looked up in models/gguf_arch.py, which says what
+its config values, tensor names and q/k row order are in HF terms.
 
 The rest of pagedllm only knows how to load HF-format folders (config.json + model.safetensors +
 tokenizer files). GGUF checkpoints are therefore converted once, dequantized to float32, and cached
@@ -20,29 +23,12 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from pagedllm.models.gguf_arch import GGUFArchitecture, gguf_architecture
+
 logger = logging.getLogger(__name__)
 
 # Bump when the output format changes, so cached conversions get redone (used in resolve's cache key).
 CONVERTER_VERSION = 2
-
-# Per-layer tensors: "blk.{N}.{gguf}.weight" -> "model.layers.{N}.{hf}.weight".
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Model-level tensors.
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 
 
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -57,36 +43,38 @@ def _f32_to_float(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _hf_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name to its HF Llama name, e.g. blk.3.attn_q.weight ->
-    model.layers.3.self_attn.q_proj.weight."""
-    base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
-    parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{kind}"
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{kind}"
-    raise ValueError(f"Unsupported GGUF tensor {gguf_name!r} (only plain llama models are supported)")
+# Config values llama.cpp itself assumes when a file leaves their metadata key out.
+_FALLBACKS = {
+    "num_key_value_heads": lambda c: c["num_attention_heads"],
+    "head_dim": lambda c: c["hidden_size"] // c["num_attention_heads"],
+    "rope_theta": lambda c: 10000.0,
+}
+# Keys whose absence means the feature is off: left out of config.json (the HF config's default).
+_OPTIONAL = frozenset({"sliding_window"})
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute(weights, n_head, n_head_kv)`` applied to q/k projections.
+def _metadata_config(reader: GGUFReader, gguf_arch: str, arch: GGUFArchitecture) -> dict[str, Any]:
+    """The config values ``arch.metadata`` names, read from the file's "{gguf_arch}." keys."""
+    values: dict[str, Any] = {}
+    for hf_key, gguf_key in arch.metadata.items():
+        v = _meta(reader, f"{gguf_arch}.{gguf_key}")
+        if v is None:
+            if hf_key in _FALLBACKS:
+                v = _FALLBACKS[hf_key](values)
+            elif hf_key in _OPTIONAL:
+                continue
+            else:
+                raise ValueError(f"GGUF metadata key {gguf_arch}.{gguf_key} is missing")
+        values[hf_key] = _f32_to_float(v) if isinstance(v, float) else int(v)
+    return values
 
-    HF Llama applies RoPE to the two *halves* of each head (rotate_half); llama.cpp rotates
-    *adjacent pairs*. Its converter reorders each head's rows from (2, head_dim/2) to (head_dim/2, 2);
-    we reshape with that permuted layout and swap the two axes back.
-    Works for weights [out, in] and for 1-D biases [out].
-    """
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-
-def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) -> dict[str, Any]:
     def m(key: str, default: Any = None) -> Any:
-        return _meta(reader, f"{arch}.{key}", default)
+        return _meta(reader, f"{gguf_arch}.{key}", default)
 
-    n_head = int(m("attention.head_count"))
-    hidden = int(m("embedding_length"))
+    arch = gguf_architecture(gguf_arch)
+    values = _metadata_config(reader, gguf_arch, arch)
     vocab_size = m("vocab_size")
     if vocab_size is None:  # older GGUFs: vocab size is implied by the token list
         vocab_size = len(_meta(reader, "tokenizer.ggml.tokens"))
@@ -115,22 +103,16 @@ def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
     # Legacy-style keys (rope_theta / rope_scaling / torch_dtype), as in the original Hub
     # config.json: understood by transformers 4.x and 5.x and easy for our own code to read.
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
         "vocab_size": int(vocab_size),
-        "hidden_size": hidden,
-        "intermediate_size": int(m("feed_forward_length")),
-        "num_hidden_layers": int(m("block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": int(m("attention.head_count_kv", n_head)),
-        "head_dim": int(m("attention.key_length", hidden // n_head)),
-        "max_position_embeddings": int(m("context_length")),
-        "rms_norm_eps": _f32_to_float(m("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32_to_float(m("rope.freq_base", 10000.0)),
+        **values,
         "rope_scaling": rope_scaling,
         "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": False,
+        # HF's attention_bias means q/k/v *and* o_proj have biases (Llama, Qwen3). Qwen2's q/k/v
+        # biases come with its model class and its o_proj has none: so the output bias decides.
+        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+        **arch.config,
         # llama.cpp omits output.weight when lm_head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": bos,
@@ -145,6 +127,7 @@ def _build_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
 
 
 def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    arch = gguf_architecture(_meta(reader, "general.architecture"))
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -153,12 +136,8 @@ def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, to
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable.
-        w = np.require(w, np.float32, ["C", "W"])
-        if ".attn_q." in t.name:
-            w = _unpermute(w, n_head)
-        elif ".attn_k." in t.name:
-            w = _unpermute(w, n_kv)
-        tensors[_hf_name(t.name)] = torch.from_numpy(w)
+        w = np.require(arch.to_hf_rows(t.name, w, n_head, n_kv), np.float32, ["C", "W"])
+        tensors[arch.hf_name(t.name)] = torch.from_numpy(w)
     return tensors
 
 
@@ -200,7 +179,7 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
 
 
 def convert_gguf_to_hf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
-    """Convert ``gguf_path`` into an HF ``LlamaForCausalLM`` folder at ``out_dir``.
+    """Convert ``gguf_path`` into an HF folder at ``out_dir`` (the architecture gguf_arch names).
 
     Writes config.json, generation_config.json, model.safetensors (float32; only if ``weights``:
     the native quantized path reads the weights from the GGUF itself) and tokenizer files.
@@ -215,8 +194,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, weights: bool = True) -> No
 
     reader = GGUFReader(gguf_path)
     arch = _meta(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (only 'llama')")
+    gguf_architecture(arch, gguf_path)  # an unsupported family fails here, before any work
     tensor_names = {t.name for t in reader.tensors}
     config = _build_config(reader, arch, tensor_names)
     chat_template = _meta(reader, "tokenizer.chat_template")

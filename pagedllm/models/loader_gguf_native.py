@@ -1,4 +1,4 @@
-"""Loads a llama-architecture GGUF file with its weights left in their quantized blocks.
+"""Loads a GGUF file with its weights left in their quantized blocks (any family of gguf_arch).
 
 The file is read with gguf-py's memory-mapped reader one tensor at a time: quantized matrices
 (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K) become QuantizedLinear / QuantizedEmbedding layers
@@ -7,9 +7,10 @@ copy of a quantized matrix is ever made. Config and tokenizer come from the meta
 conversion (``resolve_model_path(..., weights=False)``).
 
 Two llama.cpp conventions are undone on the blocks, exactly:
-- q/k rows are permuted (llama.cpp rotates adjacent pairs, HF the two halves of a head). The
-  permutation moves whole rows, and a row is a whole number of blocks, so permuting the rows of the
-  [N, row_bytes] byte array is the same permutation of the values;
+- Llama's q/k rows are permuted (llama.cpp rotates adjacent pairs, HF the two halves of a head;
+  families on NEOX RoPE, as Qwen2/3, are not permuted). The permutation moves whole rows, and a row
+  is a whole number of blocks, so permuting the rows of the [N, row_bytes] byte array is the same
+  permutation of the values;
 - q/k/v and gate/up are separate tensors; the model runs them fused, so their rows are concatenated
   (same format), or kept as parts of a ConcatLinear (mixed formats).
 """
@@ -24,8 +25,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
-from pagedllm.models.gguf_tensors import read_gguf_tensors
-from pagedllm.models.loader_gguf import _hf_name, _unpermute
+from pagedllm.models.gguf_arch import GGUFArchitecture, gguf_architecture
+from pagedllm.models.gguf_tensors import GGUFIndex, read_gguf_index
 from pagedllm.models.quantized_linear import QUANTIZED_TYPES, ConcatLinear, QuantizedEmbedding, QuantizedLinear
 from pagedllm.models.registry import get_model_class
 
@@ -53,7 +54,7 @@ class _Tensor:
         return torch.from_numpy(np.array(w.reshape(self.data.shape[0], -1) if self.data.ndim > 1 else w)).to(dtype)
 
 
-def _read(file_tensors: list, n_head: int, n_kv: int) -> dict[str, _Tensor]:
+def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) -> dict[str, _Tensor]:
     """``file_tensors``: gguf_tensors.GGUFTensor or GGUFReader's ReaderTensor (same fields)."""
     out: dict[str, _Tensor] = {}
     for t in file_tensors:
@@ -68,11 +69,8 @@ def _read(file_tensors: list, n_head: int, n_kv: int) -> dict[str, _Tensor]:
         data = t.data  # a view of the memory map
         if len(dims) == 2:
             data = data.reshape(dims[0], -1)
-        if ".attn_q." in t.name:
-            data = _unpermute(data, n_head)  # whole rows: exact on the byte rows of the blocks
-        elif ".attn_k." in t.name:
-            data = _unpermute(data, n_kv)
-        out[_hf_name(t.name)] = _Tensor(qtype, data, dims[-1])
+        data = arch.to_hf_rows(t.name, data, n_head, n_kv)  # whole rows: exact on the blocks' bytes
+        out[arch.hf_name(t.name)] = _Tensor(qtype, data, dims[-1])
     return out
 
 
@@ -118,6 +116,22 @@ def _embedding_and_head(model: nn.Module, emb: _Tensor, head: _Tensor, dtype: to
         model.lm_head.weight = nn.Parameter(head.float_tensor(dtype), requires_grad=False)
 
 
+def _set_float_parameter(model: nn.Module, name: str, t: _Tensor, dtype: torch.dtype, gguf_path: str) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        module = None
+    current = getattr(module, leaf, None) if module is not None else None
+    if not isinstance(current, nn.Parameter) or not current.is_meta or t.quantized:
+        raise ValueError(f"{gguf_path}: unexpected tensor {name!r}")
+    if tuple(current.shape) != tuple(t.data.shape):
+        raise ValueError(
+            f"{gguf_path}: tensor {name!r} has shape {tuple(t.data.shape)}, the model {tuple(current.shape)}"
+        )
+    setattr(module, leaf, nn.Parameter(t.float_tensor(dtype), requires_grad=False))
+
+
 def load_gguf_model(
     gguf_path: str,
     hf_config,
@@ -132,10 +146,14 @@ def load_gguf_model(
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)
-    file_tensors = read_gguf_tensors(gguf_path)
-    if file_tensors is None:  # a byte order or version gguf_tensors leaves to gguf-py
-        file_tensors = GGUFReader(gguf_path).tensors
-    tensors = _read(file_tensors, hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    index = read_gguf_index(gguf_path)
+    if index is None:  # a byte order or version gguf_tensors leaves to gguf-py
+        reader = GGUFReader(gguf_path)
+        field = reader.fields.get("general.architecture")
+        index = GGUFIndex(None if field is None else field.contents(), reader.tensors)
+    arch = gguf_architecture(index.architecture, gguf_path)
+    file_tensors = index.tensors
+    tensors = _read(file_tensors, arch, hf_config.num_attention_heads, hf_config.num_key_value_heads)
 
     def take(name: str) -> _Tensor:
         if name not in tensors:
@@ -159,17 +177,14 @@ def load_gguf_model(
             [take(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")], None, dtype, kernels
         )
         mlp.down_proj = _linear([take(p + "mlp.down_proj.weight")], None, dtype, kernels)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            getattr(layer, norm).weight = nn.Parameter(
-                take(p + f"{norm}.weight").float_tensor(dtype), requires_grad=False
-            )
-    model.norm.weight = nn.Parameter(take("model.norm.weight").float_tensor(dtype), requires_grad=False)
 
     emb = take("model.embed_tokens.weight")
     head = emb if model.tie_word_embeddings else take("lm_head.weight")
     _embedding_and_head(model, emb, head, dtype, kernels)
-    if tensors:
-        raise ValueError(f"{gguf_path}: unexpected tensors {sorted(tensors)}")
+    # What is left are the float tensors of the family's norms (layer norms, the final norm,
+    # Qwen3's per-head q/k norms ...): each goes to the model parameter of its HF name.
+    for name, t in tensors.items():
+        _set_float_parameter(model, name.removeprefix("model."), t, dtype, gguf_path)
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     leftover = [n for n in leftover if not n.startswith("rope.")]
     if leftover:

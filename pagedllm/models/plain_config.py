@@ -3,8 +3,9 @@
 ``AutoConfig`` imports ``LlamaConfig``, whose module pulls in transformers' activations, kernel hub
 and tensor-parallel code, and through them torch.distributed and sympy: ~55 MB of resident memory
 for a dozen numbers. The folders loader_gguf writes hold a fixed set of keys, so for those the
-values ``LlamaConfig`` would hold are built here directly; any other config.json (an HF checkpoint,
-rope scaling, keys this module does not know) returns None and goes to ``AutoConfig``.
+values ``LlamaConfig`` (``Qwen2Config``, ``Qwen3Config`` for those families) would hold are built
+here directly; any other config.json (an HF checkpoint, another family, rope scaling, a sliding
+window, keys this module does not know) returns None and goes to ``AutoConfig``.
 tests/test_plain_config.py holds the result equal to ``AutoConfig``'s attribute by attribute.
 """
 
@@ -41,15 +42,24 @@ _KEYS = frozenset(
         "pad_token_id",
         "torch_dtype",
         "use_cache",
+        "use_sliding_window",
     }
 )
+# model_type -> (its architectures entry, what its HF config class adds to the file's values for
+# a model without a sliding window: every layer full attention)
+_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2ForCausalLM", {"sliding_window": None, "max_window_layers": 28}),
+    "qwen3": ("Qwen3ForCausalLM", {"sliding_window": None, "max_window_layers": 28}),
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PlainLlamaConfig:
-    """The attributes transformers' ``LlamaConfig`` has for a config.json of loader_gguf's keys:
-    the file's values, RoPE as ``rope_parameters`` (``rope_scaling`` its alias), the dtype as a
-    torch dtype (``torch_dtype`` its alias) and ``_name_or_path`` (AutoTokenizer reads it)."""
+    """The attributes transformers' config class of the family (``LlamaConfig``, ``Qwen2Config``,
+    ``Qwen3Config``) has for a config.json of loader_gguf's keys: the file's values, RoPE as
+    ``rope_parameters`` (``rope_scaling`` its alias), the dtype as a torch dtype (``torch_dtype``
+    its alias), ``_name_or_path`` (AutoTokenizer reads it) and the family's own additions."""
 
     model_type = "llama"
 
@@ -58,6 +68,10 @@ class PlainLlamaConfig:
         theta = values.pop("rope_theta", 10000.0)
         values.pop("rope_scaling", None)
         dtype = values.pop("torch_dtype")
+        _, additions = _FAMILIES[values["model_type"]]
+        self.__dict__.update(additions)
+        if additions:  # the Qwen configs name each layer's attention
+            self.layer_types = ["full_attention"] * values["num_hidden_layers"]
         self.__dict__.update(values)
         self.rope_parameters = {"rope_theta": theta, "rope_type": "default"}
         self.dtype = _DTYPES[dtype]
@@ -76,7 +90,8 @@ class PlainLlamaConfig:
 
 
 def read_plain_config(model_dir: str) -> PlainLlamaConfig | None:
-    """``model_dir``'s config when it is one loader_gguf wrote (plain llama, no rope scaling), else None."""
+    """``model_dir``'s config when it is one loader_gguf wrote (a family of ``_FAMILIES``, no rope
+    scaling, no sliding window), else None."""
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             values = json.load(f)
@@ -85,11 +100,16 @@ def read_plain_config(model_dir: str) -> PlainLlamaConfig | None:
     if (
         not isinstance(values, dict)
         or not set(values) <= _KEYS
-        or values.get("model_type") != "llama"
-        or values.get("architectures") != ["LlamaForCausalLM"]
+        or not isinstance(values.get("model_type"), str)
+        or values["model_type"] not in _FAMILIES
+        or values.get("architectures") != [_FAMILIES[values["model_type"]][0]]
+        or values.get("use_sliding_window", False) is not False
         or values.get("rope_scaling") is not None
         or values.get("torch_dtype") not in _DTYPES
-        or not all(isinstance(values.get(k), int) for k in ("hidden_size", "num_attention_heads", "head_dim"))
+        or not all(
+            isinstance(values.get(k), int)
+            for k in ("hidden_size", "num_attention_heads", "head_dim", "num_hidden_layers")
+        )
         or not isinstance(values.get("num_key_value_heads"), int)
         or values["hidden_size"] % values["num_attention_heads"]  # LlamaConfig refuses these: let it say why
     ):

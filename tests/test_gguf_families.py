@@ -1,0 +1,144 @@
+"""GGUF files of each supported family (models/gguf_arch.py), written from the tiny HF checkpoints
+as llama.cpp's converter writes them: float32 files run exactly the HF model (dequantized at load
+and natively), their tokenizers come from the metadata, and other architectures are refused.
+(The quantized files of these families are held to the dequantized reference in test_quantized.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf_models import write_gguf
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.gguf_arch import GGUF_ARCHITECTURES
+from pagedllm.models.loader import load_hf_config
+from pagedllm.models.loader_gguf_native import load_gguf_model
+from pagedllm.models.registry import get_model_class, supported_architectures
+from pagedllm.models.resolve import resolve_model_path
+from pagedllm.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+T = GGMLQuantizationType
+FAMILIES = ("llama", "qwen2", "qwen3")  # llama: permuted q/k rows; qwen2: q/k/v biases; qwen3: q/k norms
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output")
+NEW_TOKENS = 12
+PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 42], [1, 2, 3], [300, 200, 100, 50, 25, 12, 6]]
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  spaces\tand\nnewlines ",
+    "def hello(world):\n    return world * 2\n",
+    "e\u0301 caf\u00e9 12345",  # Qwen's tokenizer normalizes to NFC and splits digits one by one
+    "<|im_start|>user\nhi<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def f32_files(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gguf_families")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(root / "cache"))
+        yield {
+            fam: write_gguf(tiny_model_dirs[fam], str(root / f"{fam}.gguf"), dict.fromkeys(MATRICES, T.F32))
+            for fam in FAMILIES
+        }
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dirs) -> dict[str, list[list[int]]]:
+    """transformers' greedy continuation of each prompt, from the HF folder."""
+    out = {}
+    for fam in FAMILIES:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dirs[fam], dtype=torch.float32).eval()
+        with torch.no_grad():
+            out[fam] = [
+                model.generate(
+                    torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+                )[0, len(p) :].tolist()
+                for p in PROMPTS
+            ]
+    return out
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"], ids=["dequantized", "native"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_greedy_equals_the_hf_folder(f32_files, hf_greedy, tiny_model_dirs, family, quantization):
+    """A wrong q/k row order breaks RoPE, a lost bias or q/k norm changes every logit: either flips
+    greedy tokens of these random models within a few steps."""
+    llm = LLM(model=f32_files[family], dtype="float32", num_kv_blocks=64, quantization=quantization)
+    assert type(llm.llm_engine.model) is get_model_class(
+        transformers.AutoConfig.from_pretrained(tiny_model_dirs[family])
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_config_is_the_families(f32_files, tiny_model_dirs, family):
+    """Every value the config made from the metadata holds is the HF folder's."""
+    folder = resolve_model_path(f32_files[family], weights=False)
+    ours, ref = load_hf_config(folder), transformers.AutoConfig.from_pretrained(tiny_model_dirs[family])
+    with open(os.path.join(folder, "config.json")) as f:
+        written = set(json.load(f))
+    # compared below as the model reads them (Qwen2's config has no head_dim, its attention_bias None)
+    derived = {"rope_scaling", "rope_theta", "head_dim", "attention_bias"}
+    assert written > derived
+    for key in sorted(written - derived):
+        assert getattr(ours, key) == getattr(ref, key), key
+
+    def head_dim(cfg) -> int:
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    assert head_dim(ours) == head_dim(ref)
+    assert ours.rope_parameters == ref.rope_parameters
+    assert bool(ours.attention_bias) == bool(getattr(ref, "attention_bias", False))
+
+
+# The tokenizer class each family's checkpoints name (Qwen3's name Qwen2Tokenizer: NFC, Qwen's split
+# regex); the tiny folders name none, so transformers would pick another for the tiny Qwen3.
+REFERENCE_TOKENIZER = {"llama": "AutoTokenizer", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_from_gguf_metadata(f32_files, tiny_model_dirs, family):
+    """The tokenizer pagedllm loads for a GGUF, built from its gpt2-style BPE metadata, is the HF
+    folder's: vocabulary, special tokens, chat template, and every encoding and decoding."""
+    folder = resolve_model_path(f32_files[family], weights=False)
+    ours = load_tokenizer(folder, load_hf_config(folder))
+    ref = getattr(transformers, REFERENCE_TOKENIZER[family]).from_pretrained(tiny_model_dirs[family])
+    gguf_dir, _, name = f32_files[family].rpartition("/")
+    from_file = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=name)
+    assert ours.get_vocab() == ref.get_vocab() == from_file.get_vocab()
+    assert ours.all_special_ids == ref.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert ours.chat_template == ref.chat_template
+    for text in TEXTS:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids), text
+    ids = ours.encode(TEXTS[-1])  # the special tokens stay whole
+    assert ids[0] == ref.convert_tokens_to_ids("<|im_start|>") and ids[-1] == ref.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_every_gguf_architecture_has_a_model_class():
+    for name, arch in GGUF_ARCHITECTURES.items():
+        assert arch.hf_architecture in supported_architectures(), name
+
+
+def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
+    path = write_gguf(tiny_llama, str(tmp_path / "mamba.gguf"), {}, architecture="mamba")
+    supported = r"supported: llama, qwen2, qwen3\)"
+    for weights in (True, False):  # dequantized and native: both convert the metadata first
+        with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'mamba' \(" + supported):
+            resolve_model_path(path, cache_dir=str(tmp_path / "cache"), weights=weights)
+    # the native loader reads the architecture from the file itself
+    cfg = transformers.AutoConfig.from_pretrained(tiny_llama)
+    with pytest.raises(ValueError, match=r"'mamba' \(" + supported):
+        load_gguf_model(path, cfg, torch.float32, torch.device("cpu"), 64)
