@@ -1,0 +1,232 @@
+"""The /kv page in a real headless browser (Playwright driving Debian's chromium) against a server.
+
+While requests with a shared prefix and n > 1 run, the page must show shared blocks, its grid's
+counts must agree with its counters (one snapshot), and a hovered sequence must show its block
+table; once the server is idle its counters must equal /stats and every block be free or cached.
+A screenshot of the page under load is checked not blank. The contiguous layout's page shows the
+reservations' unused tails.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import ServerProcess
+
+CHROMIUM = os.environ.get("PAGEDLLM_TEST_CHROMIUM", "/usr/bin/chromium")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no browser at {CHROMIUM} (scripts/setup.sh installs Debian's chromium)", allow_module_level=True)
+
+API_KEY = "sk-kv-view"
+PREFIX = list(range(5, 29))  # 24 tokens: 6 full blocks of 4 that the requests share
+MODEL = "tiny"
+SERVE_ARGS = ("--served-model-name", MODEL)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        # --no-sandbox: the tests may run as root (CI does), where chromium's sandbox refuses to start.
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def paged_server(tiny_llama, tmp_path_factory):
+    srv = ServerProcess(
+        tiny_llama,
+        str(tmp_path_factory.mktemp("kv") / "server.log"),
+        "--api-key",
+        API_KEY,
+        "--block-size",
+        "4",
+        *SERVE_ARGS,
+    )
+    yield srv
+    srv.stop()
+
+
+def start_load(srv: ServerProcess, max_tokens: int = 160, parallel: int = 4) -> threading.Thread:
+    """``parallel`` requests that share a 24-token prefix, each with n = 3, in the background."""
+
+    def one(i: int) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": PREFIX + [40 + i, 41 + i, 42 + i],
+            "n": 3,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": i,
+            "ignore_eos": True,
+        }
+        r = httpx.post(srv.url("/v1/completions"), json=body, timeout=120, headers=auth())
+        r.raise_for_status()
+
+    def run() -> None:
+        workers = [threading.Thread(target=one, args=(i,)) for i in range(parallel)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def counter(page, key: str) -> str:
+    return page.text_content(f'td[data-stat="{key}"]')
+
+
+def legend(page, state: str) -> int:
+    return int(page.text_content(f"#count-{state}"))
+
+
+def open_page(browser, srv: ServerProcess):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(srv.url(f"/kv?interval=150#key={API_KEY}"))
+    page.wait_for_function("() => Number(document.body.dataset.polls) >= 1", timeout=20_000)
+    return page, errors
+
+
+def wait_next_poll(page) -> None:
+    n = int(page.get_attribute("body", "data-polls"))
+    page.wait_for_function(f"() => Number(document.body.dataset.polls) > {n}", timeout=10_000)
+
+
+def test_auth_and_headers(paged_server):
+    page = httpx.get(paged_server.url("/kv"), timeout=10)
+    assert page.status_code == 200 and "<canvas" in page.text  # static, public: it holds no data
+    csp = page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in csp and "connect-src 'self'" in csp and "unsafe-inline" not in csp
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert httpx.get(paged_server.url("/kv/blocks"), timeout=10).status_code == 401
+    r = httpx.get(paged_server.url("/kv/blocks"), timeout=10, headers=auth())
+    assert r.status_code == 200 and r.json()["num_blocks"] == 256
+
+
+def test_page_asks_for_a_key_without_one(browser, paged_server):
+    page = browser.new_page()
+    page.goto(paged_server.url("/kv"))
+    page.wait_for_selector("#keyform.shown", timeout=10_000)
+    page.fill("#key", API_KEY)
+    page.click("#keyform button")
+    page.wait_for_function("() => Number(document.body.dataset.polls) >= 1", timeout=10_000)
+    page.close()
+
+
+def test_page_under_load_shows_sharing_and_agrees_with_stats(browser, paged_server, tmp_path):
+    page, errors = open_page(browser, paged_server)
+    assert "key=" not in page.url  # the key left the address bar at once
+    # One request first, so that the prefix is in the prefix cache when the others arrive.
+    start_load(paged_server, max_tokens=1, parallel=1).join(60)
+    seen_shared = False
+    for _ in range(3):  # a round can end before a poll sees it on a fast machine: run another
+        load = start_load(paged_server)
+        deadline = time.monotonic() + 60
+        while load.is_alive() and time.monotonic() < deadline and not seen_shared:
+            wait_next_poll(page)
+            # grid (block states) and counters (stats) of one snapshot must agree
+            shared, used = legend(page, "shared"), legend(page, "used")
+            held, total = counter(page, "blocks_held").split(" / ")
+            assert shared + used == int(held) == int(counter(page, "physical_blocks"))
+            assert shared == int(counter(page, "kv_shared_blocks"))
+            assert sum(legend(page, s) for s in ("free", "cached", "used", "shared", "swapping")) == int(total)
+            if shared > 0:
+                seen_shared = True
+                row = page.locator("#seqs div.seq", has_text="shared").first
+                row.hover()
+                detail = page.text_content("#detail")
+                shot = page.screenshot(path=str(tmp_path / "kv_under_load.png"), full_page=True)
+        load.join(120)
+        if seen_shared:
+            break
+    assert seen_shared, "the page never showed a shared block while n > 1 requests with a shared prefix ran"
+    assert "block table (logical -> physical)" in detail and " -> " in detail and "shared with" in detail
+    assert_not_blank(shot)
+
+    stats = paged_server.wait_idle()
+    wait_next_poll(page)
+    assert counter(page, "blocks_held") == f"{stats['num_kv_blocks'] - stats['num_free_kv_blocks']} / 256"
+    for key in ("kv_shared_blocks", "kv_logical_blocks", "num_preemptions", "num_requests_running"):
+        assert counter(page, key) == str(stats[key]), key
+    assert counter(page, "prefix_hit_rate").endswith(f"({stats['prefix_cache_hits']}/{stats['prefix_cache_queries']})")
+    assert stats["prefix_cache_hits"] > 0
+    # idle: every block free or holding a cached prefix, and the shared prefix is among the cached
+    assert legend(page, "used") == legend(page, "shared") == legend(page, "swapping") == 0
+    assert legend(page, "free") + legend(page, "cached") == 256 and legend(page, "cached") >= len(PREFIX) // 4
+    assert not errors, errors
+    page.close()
+
+
+def assert_not_blank(png: bytes) -> None:
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert colors is not None and len(colors) > 8, "screenshot is blank"
+    # the grid's in-use and shared colours (kv_view.html) are on it
+    present = {c for _, c in colors}
+    assert (61, 122, 224) in present, "no block in use on the screenshot"
+    assert any(r > g > b and r - b > 100 for r, g, b in present), "no shared (orange) block on the screenshot"
+
+
+def test_contiguous_page_shows_reservation_tails(browser, tiny_llama, tmp_path):
+    srv = ServerProcess(
+        tiny_llama,
+        str(tmp_path / "server.log"),
+        "--api-key",
+        API_KEY,
+        "--block-size",
+        "4",
+        "--kv-layout",
+        "contiguous",
+        "--reserve",
+        "pow2",
+        *SERVE_ARGS,
+    )
+    try:
+        page, errors = open_page(browser, srv)
+        seen_tail = False
+        load = start_load(srv, max_tokens=100)
+        deadline = time.monotonic() + 60
+        while load.is_alive() and time.monotonic() < deadline and not seen_tail:
+            wait_next_poll(page)
+            reserved, used = legend(page, "reserved"), legend(page, "used")
+            assert reserved + used == int(counter(page, "physical_blocks"))
+            if reserved > 0:
+                # a sequence whose reservation has blocks without a token yet
+                sid = page.evaluate(
+                    "(() => { const s = kvView.last; return (s.seqs.find((q) =>"
+                    " q.reserved_tokens - q.num_tokens >= s.block_size) || {}).seq_id; })()"
+                )
+                if sid is None:
+                    continue
+                seen_tail = True
+                page.hover(f'#seqs div.seq[data-seq="{sid}"]')
+                detail = page.text_content("#detail")
+        load.join(120)
+        assert seen_tail
+        assert "unused tail" in detail
+        srv.wait_idle()
+        wait_next_poll(page)
+        assert legend(page, "free") == 256 and legend(page, "reserved") == legend(page, "used") == 0
+        assert not errors, errors
+        page.close()
+    finally:
+        srv.stop()
