@@ -69,3 +69,43 @@ def test_engine_snapshot_names_requests_and_carries_its_stats(tiny_llama):
     assert seen_shared
     counts = engine.get_kv_blocks()["state_counts"]
     assert counts["free"] + counts["cached"] == 64
+
+
+def test_bench_records_block_frames_and_animates_them(tiny_llama, tmp_path):
+    from argparse import Namespace
+
+    from PIL import Image
+
+    from pagedllm.bench.compare import make_engine
+    from pagedllm.bench.engine_driver import run_workload
+    from pagedllm.bench.report.animation import STATE_COLORS, animate_kv
+
+    args = Namespace(
+        model=tiny_llama,
+        dtype="float32",
+        num_kv_tokens=256,
+        max_model_len=128,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        num_threads=1,
+    )
+    requests = [{"prompt_token_ids": list(range(3 + i, 23 + i)), "max_tokens": 8} for i in range(6)]
+    layouts = {}
+    for name, bs in (("paged", 4), ("oracle", 1)):
+        res = run_workload(make_engine(args, name, bs), requests, record_blocks=True)
+        frames = res["block_frames"]
+        assert len(frames) == res["num_steps"] and [t for t, _ in frames] == [s["t"] for s in res["samples"]]
+        held = [int(((st == block_view.USED) | (st == block_view.SHARED)).sum()) for _, st in frames]
+        assert max(held) > 0 and frames[0][1].size == 256 // bs
+        res["block_size"] = bs
+        layouts[name] = res
+    assert (layouts["oracle"]["block_frames"][0][1] == block_view.RESERVED).any()  # reservations' tails
+    path = animate_kv({"layouts": layouts}, str(tmp_path / "kv.gif"), num_frames=6, fps=5)
+    gif = Image.open(path)
+    assert gif.n_frames == 6
+    gif.seek(1)
+    colors = {c for _, c in gif.convert("RGB").getcolors(1 << 20)}
+    want = {
+        tuple(int(STATE_COLORS[s][i : i + 2], 16) for i in (1, 3, 5)) for s in (block_view.USED, block_view.RESERVED)
+    }
+    assert want <= colors, "the frame shows no block in use or no reserved tail"
