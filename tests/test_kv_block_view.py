@@ -109,3 +109,22 @@ def test_bench_records_block_frames_and_animates_them(tiny_llama, tmp_path):
         tuple(int(STATE_COLORS[s][i : i + 2], 16) for i in (1, 3, 5)) for s in (block_view.USED, block_view.RESERVED)
     }
     assert want <= colors, "the frame shows no block in use or no reserved tail"
+
+
+def test_swapped_blocks_show_until_the_cache_is_idle():
+    kv = PagedKVCacheManager(num_blocks=8, block_size=2)
+    kv.enable_swap(8)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    assert kv.allocate_slots(a, 3)
+    table = list(kv.block_table("a"))
+    b = Sequence("b", [4, 5], SamplingParams(max_tokens=4))
+    assert kv.allocate_slots(b, 2)
+    assert kv.swap_out([a])
+    kv.take_block_ops()  # what the scheduler does each step
+    snap = kv.block_snapshot()
+    assert snap.states[table].tolist() == [block_view.SWAPPING] * 2
+    assert (snap.num_host_blocks, snap.num_host_blocks_used) == (8, 2)
+    assert [s.seq_id for s in snap.seqs] == ["b"]  # a swapped sequence has no device table
+    kv.free(a)
+    kv.free(b)
+    assert kv.block_snapshot().state_counts()["swapping"] == 0  # nothing moves in an idle cache

@@ -309,7 +309,7 @@ class PagedKVCacheManager(KVCacheManager):
         states = states.astype(np.uint8)
         cached = self.pool.cached_block_ids()
         states[cached[refs[cached] == 0]] = block_view.CACHED
-        if self._last_swapped_blocks:
+        if self._last_swapped_blocks and (self._tables or self._host_tables):  # idle: nothing is moving
             states[np.asarray(self._last_swapped_blocks, dtype=np.int64)] = block_view.SWAPPING
         shared = np.flatnonzero(refs > 1)
         bs = self.block_size
