@@ -90,7 +90,7 @@ class BlockPool:
 
     def ref_counts(self) -> np.ndarray:
         """Every block's reference count: a read-only view of the live counts (copy it to keep it)."""
-        view = np.frombuffer(self.ref_cnt, dtype=np.int32)
+        view = np.frombuffer(self.ref_cnt, dtype=np.intc)  # array "i" is a C int
         view.flags.writeable = False
         return view
 
