@@ -86,12 +86,19 @@ def auth() -> dict:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-def counter(page, key: str) -> str:
-    return page.text_content(f'td[data-stat="{key}"]')
+# Counters and legend counts as shown, read in one evaluation: the page re-renders every poll, so
+# separate reads could straddle two snapshots.
+READ_PAGE = """() => {
+  const counters = {}, legend = {};
+  document.querySelectorAll("td[data-stat]").forEach((td) => { counters[td.dataset.stat] = td.textContent; });
+  document.querySelectorAll("#legend b").forEach((b) => { legend[b.id.slice(6)] = Number(b.textContent); });
+  return { counters, legend };
+}"""
 
 
-def legend(page, state: str) -> int:
-    return int(page.text_content(f"#count-{state}"))
+def shown(page) -> tuple[dict[str, str], dict[str, int]]:
+    v = page.evaluate(READ_PAGE)
+    return v["counters"], v["legend"]
 
 
 def open_page(browser, srv: ServerProcess):
@@ -144,11 +151,12 @@ def test_page_under_load_shows_sharing_and_agrees_with_stats(browser, paged_serv
         while load.is_alive() and time.monotonic() < deadline and not seen_shared:
             wait_next_poll(page)
             # grid (block states) and counters (stats) of one snapshot must agree
-            shared, used = legend(page, "shared"), legend(page, "used")
-            held, total = counter(page, "blocks_held").split(" / ")
-            assert shared + used == int(held) == int(counter(page, "physical_blocks"))
-            assert shared == int(counter(page, "kv_shared_blocks"))
-            assert sum(legend(page, s) for s in ("free", "cached", "used", "shared", "swapping")) == int(total)
+            counters, legend = shown(page)
+            shared, used = legend["shared"], legend["used"]
+            held, total = counters["blocks_held"].split(" / ")
+            assert shared + used == int(held) == int(counters["physical_blocks"])
+            assert shared == int(counters["kv_shared_blocks"])
+            assert sum(legend[s] for s in ("free", "cached", "used", "shared", "swapping")) == int(total)
             if shared > 0:
                 seen_shared = True
                 row = page.locator("#seqs div.seq", has_text="shared").first
@@ -164,14 +172,15 @@ def test_page_under_load_shows_sharing_and_agrees_with_stats(browser, paged_serv
 
     stats = paged_server.wait_idle()
     wait_next_poll(page)
-    assert counter(page, "blocks_held") == f"{stats['num_kv_blocks'] - stats['num_free_kv_blocks']} / 256"
+    counters, legend = shown(page)
+    assert counters["blocks_held"] == f"{stats['num_kv_blocks'] - stats['num_free_kv_blocks']} / 256"
     for key in ("kv_shared_blocks", "kv_logical_blocks", "num_preemptions", "num_requests_running"):
-        assert counter(page, key) == str(stats[key]), key
-    assert counter(page, "prefix_hit_rate").endswith(f"({stats['prefix_cache_hits']}/{stats['prefix_cache_queries']})")
+        assert counters[key] == str(stats[key]), key
+    assert counters["prefix_hit_rate"].endswith(f"({stats['prefix_cache_hits']}/{stats['prefix_cache_queries']})")
     assert stats["prefix_cache_hits"] > 0
     # idle: every block free or holding a cached prefix, and the shared prefix is among the cached
-    assert legend(page, "used") == legend(page, "shared") == legend(page, "swapping") == 0
-    assert legend(page, "free") + legend(page, "cached") == 256 and legend(page, "cached") >= len(PREFIX) // 4
+    assert legend["used"] == legend["shared"] == legend["swapping"] == 0
+    assert legend["free"] + legend["cached"] == 256 and legend["cached"] >= len(PREFIX) // 4
     assert not errors, errors
     page.close()
 
@@ -209,8 +218,9 @@ def test_contiguous_page_shows_reservation_tails(browser, tiny_llama, tmp_path):
         deadline = time.monotonic() + 60
         while load.is_alive() and time.monotonic() < deadline and not seen_tail:
             wait_next_poll(page)
-            reserved, used = legend(page, "reserved"), legend(page, "used")
-            assert reserved + used == int(counter(page, "physical_blocks"))
+            counters, legend = shown(page)
+            reserved, used = legend["reserved"], legend["used"]
+            assert reserved + used == int(counters["physical_blocks"])
             if reserved > 0:
                 # a sequence whose reservation has blocks without a token yet
                 sid = page.evaluate(
@@ -227,7 +237,8 @@ def test_contiguous_page_shows_reservation_tails(browser, tiny_llama, tmp_path):
         assert "unused tail" in detail
         srv.wait_idle()
         wait_next_poll(page)
-        assert legend(page, "free") == 256 and legend(page, "reserved") == legend(page, "used") == 0
+        legend = shown(page)[1]
+        assert legend["free"] == 256 and legend["reserved"] == legend["used"] == 0
         assert not errors, errors
         page.close()
     finally:
