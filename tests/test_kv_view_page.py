@@ -101,6 +101,18 @@ def shown(page) -> tuple[dict[str, str], dict[str, int]]:
     return v["counters"], v["legend"]
 
 
+def hover_detail(page, selector: str) -> str | None:
+    """The detail panel once the selector's row is hovered; None if that row is gone (its sequence
+    finished between the poll that listed it and the hover)."""
+    # Away first: rows are rebuilt on every poll, and a pointer that does not move enters no new row.
+    page.mouse.move(0, 0)
+    try:
+        page.locator(selector).first.hover(timeout=2_000)
+    except sync_api.TimeoutError:
+        return None
+    return page.text_content("#detail")
+
+
 def open_page(browser, srv: ServerProcess):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors: list[str] = []
@@ -144,11 +156,11 @@ def test_page_under_load_shows_sharing_and_agrees_with_stats(browser, paged_serv
     assert "key=" not in page.url  # the key left the address bar at once
     # One request first, so that the prefix is in the prefix cache when the others arrive.
     start_load(paged_server, max_tokens=1, parallel=1).join(60)
-    seen_shared = False
+    seen_shared, detail = False, None
     for _ in range(3):  # a round can end before a poll sees it on a fast machine: run another
         load = start_load(paged_server)
         deadline = time.monotonic() + 60
-        while load.is_alive() and time.monotonic() < deadline and not seen_shared:
+        while load.is_alive() and time.monotonic() < deadline and not (seen_shared and detail):
             wait_next_poll(page)
             # grid (block states) and counters (stats) of one snapshot must agree
             counters, legend = shown(page)
@@ -159,15 +171,16 @@ def test_page_under_load_shows_sharing_and_agrees_with_stats(browser, paged_serv
             assert sum(legend[s] for s in ("free", "cached", "used", "shared", "swapping")) == int(total)
             if shared > 0:
                 seen_shared = True
-                row = page.locator("#seqs div.seq", has_text="shared").first
-                row.hover()
-                detail = page.text_content("#detail")
                 shot = page.screenshot(path=str(tmp_path / "kv_under_load.png"), full_page=True)
+                text = hover_detail(page, '#seqs div.seq:has-text("shared")')
+                if text is not None and "shared with" in text:
+                    detail = text
         load.join(120)
-        if seen_shared:
+        if seen_shared and detail:
             break
     assert seen_shared, "the page never showed a shared block while n > 1 requests with a shared prefix ran"
-    assert "block table (logical -> physical)" in detail and " -> " in detail and "shared with" in detail
+    assert detail is not None, "hovering a sequence that shares blocks never showed with whom"
+    assert "block table (logical -> physical)" in detail and " -> " in detail
     assert_not_blank(shot)
 
     stats = paged_server.wait_idle()
@@ -229,12 +242,10 @@ def test_contiguous_page_shows_reservation_tails(browser, tiny_llama, tmp_path):
                 )
                 if sid is None:
                     continue
-                seen_tail = True
-                page.hover(f'#seqs div.seq[data-seq="{sid}"]')
-                detail = page.text_content("#detail")
+                detail = hover_detail(page, f'#seqs div.seq[data-seq="{sid}"]')
+                seen_tail = detail is not None and "unused tail" in detail
         load.join(120)
-        assert seen_tail
-        assert "unused tail" in detail
+        assert seen_tail, "hovering a sequence with an unused reservation never showed its tail"
         srv.wait_idle()
         wait_next_poll(page)
         legend = shown(page)[1]
