@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedllm.kv import block_view
 from pagedllm.kv.contiguous import ContiguousKVCacheManager, cdiv, next_power_of_two
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence
@@ -275,6 +276,17 @@ class ContiguousMachine(RuleBasedStateMachine):
             table = kv.block_table(rid)
             assert [b for b, o in enumerate(self.owner) if o == rid] == table
             assert self.tokens[rid] <= len(table) * bs
+        # the live view: a reservation's leading blocks that hold tokens are "used", its tail "reserved"
+        snap = kv.block_snapshot()
+        want = [block_view.FREE] * kv.num_blocks
+        for rid in self.running:
+            table = kv.block_table(rid)
+            for i, b in enumerate(table):
+                want[b] = block_view.USED if i * bs < self.tokens[rid] else block_view.RESERVED
+        assert snap.states.tolist() == want
+        assert {q.seq_id: (q.blocks, q.num_tokens) for q in snap.seqs} == {
+            rid: (kv.block_table(rid), self.tokens[rid]) for rid in self.running
+        }
         # coalescing: the manager's free runs are exactly the model's maximal free runs
         runs, start = [], None
         for b, o in enumerate(self.owner + ["end"]):

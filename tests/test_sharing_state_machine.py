@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedllm.kv import block_view
 from pagedllm.kv.base import NULL_BLOCK
 from pagedllm.kv.paged import PagedKVCacheManager, cdiv
 from pagedllm.sampling_params import SamplingParams
@@ -308,6 +309,22 @@ class ShareMachine(RuleBasedStateMachine):
         assert st_.reserved == len(holders) * bs
         assert st_.logical_blocks == sum(holders.values())
         assert st_.shared_blocks == sum(1 for n in holders.values() if n > 1)
+        assert st_.used == slots_written(kv)
+        snap = kv.block_snapshot()
+        states = snap.states.tolist()
+        for b in range(kv.num_blocks):
+            n = holders[b]
+            if states[b] == block_view.SWAPPING:
+                continue  # moved by the last ops: shown as such whatever it holds now
+            want = block_view.SHARED if n > 1 else block_view.USED if n == 1 else None
+            if want is None:
+                cached = kv.pool.block_hash[b] is not None
+                want = block_view.CACHED if cached else block_view.FREE
+            assert states[b] == want, f"block {b}: state {states[b]}, {n} holders"
+        assert dict(zip(snap.shared_blocks.tolist(), snap.shared_refs.tolist(), strict=True)) == {
+            b: n for b, n in holders.items() if n > 1
+        }
+        assert {s.seq_id: s.blocks for s in snap.seqs} == {rid: kv.block_table(rid) for rid in self.running}
 
     def teardown(self):
         if not hasattr(self, "kv"):
@@ -319,6 +336,18 @@ class ShareMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks() == self.kv.num_blocks
         assert self.kv.host_pool.num_free_blocks == self.kv.host_pool.num_blocks
         assert all(r == 0 for r in self.kv.pool.ref_cnt)
+
+
+def slots_written(kv: PagedKVCacheManager) -> int:
+    """Slots holding a token, block by block: each block as full as its fullest holder's view."""
+    bs = kv.block_size
+    fill: dict[int, int] = {}
+    for rid, table in kv._tables.items():
+        n = kv._num_tokens[rid]
+        for i, b in enumerate(table):
+            if b != NULL_BLOCK:  # released out of the window: holds nothing
+                fill[b] = max(fill.get(b, 0), min(bs, n - i * bs))
+    return sum(fill.values())
 
 
 ShareMachine.TestCase.settings = settings(

@@ -1,6 +1,8 @@
 """`pagedllm bench compare`: paged KV vs contiguous reservation (the vLLM paper's Orca baselines).
 
-Three modes, each writing ``<mode>.json``, ``<mode>.md`` and PNG plots under --out-dir:
+Three modes, each writing ``<mode>.json``, ``<mode>.md`` and PNG plots under --out-dir (the default
+mode also an animation of every layout's blocks over the run, ``compare_kv_animation.gif``, when
+pillow is installed):
 
 * default (``compare``): one workload through ``paged`` and the contiguous policies ``max``,
   ``pow2``, ``oracle`` at the same KV budget (--num-kv-tokens slots) and the same model. Reports
@@ -130,7 +132,7 @@ def run_layouts(args: argparse.Namespace) -> dict:
         engine = make_engine(args, name, bs)
         config = config or _config_record(args, engine)
         _log(f"{name}: {len(requests)} requests, block_size {bs}, {engine.num_kv_blocks} blocks")
-        res = run_workload(engine, requests, time_attention=True)
+        res = run_workload(engine, requests, time_attention=True, record_blocks=True)
         res["block_size"] = bs
         res["num_kv_blocks"] = engine.num_kv_blocks
         _free_engine(engine)
@@ -329,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         result = fn(args)
         result["command_wall_s"] = time.monotonic() - t0
         files = write(result, args.out_dir)  # plots use the full per-step samples
+        for res in result.get("layouts", {}).values():
+            res.pop("block_frames", None)  # the animation's, not the JSON's
         for key in ("layouts", "block_sizes"):
             for name, res in result.get(key, {}).items():
                 result[key][name] = _strip(res, args.timeline_points)

@@ -14,12 +14,13 @@ from pagedllm.attention.paged_attention import attention_timer
 
 
 @contextmanager
-def kv_sampler(engine, enabled: bool = True):
+def kv_sampler(engine, enabled: bool = True, record_blocks: bool = False):
     """Snapshots KV memory right after each ``schedule()``, i.e. the memory the step runs with.
 
     Sampling after ``step()`` instead would miss what the step used (finished requests are already
     freed, the next admissions not yet made). Uses the engine core's ``on_schedule`` observer.
-    Yields [last snapshot or None, seconds spent sampling].
+    Yields [last snapshot or None, seconds spent sampling]; with ``record_blocks`` the snapshot
+    also has "blocks", every block's state (KVCacheManager.block_snapshot, for the animation).
     """
     state: list = [None, 0.0]
     if not enabled:
@@ -30,6 +31,8 @@ def kv_sampler(engine, enabled: bool = True):
     def observe(sched) -> None:
         t = time.monotonic()
         state[0] = _kv_sample(engine, sched)
+        if record_blocks:
+            state[0]["blocks"] = engine.kv_manager.block_snapshot().states
         state[1] += time.monotonic() - t
 
     core.on_schedule = observe
@@ -81,11 +84,14 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_attention: bool = False) -> dict:
+def run_workload(
+    engine, requests: list[dict], sample_kv: bool = True, time_attention: bool = False, record_blocks: bool = False
+) -> dict:
     """Runs every request to exactly max_tokens (greedy, ignore_eos) and returns the measurements.
 
     Returns {"outputs": {request index: token ids}, "samples": [per step], "requests": [per request],
-    plus totals}. Latencies are in engine time, from t=0 when every request arrived.
+    plus totals}. Latencies are in engine time, from t=0 when every request arrived. With
+    ``record_blocks`` (and ``sample_kv``) also "block_frames": [(engine time, block states)] per step.
     """
     from pagedllm.sampling_params import SamplingParams
 
@@ -107,7 +113,8 @@ def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_atte
     stalled = 0
     wall0 = time.monotonic()
     timer = attention_timer() if time_attention else nullcontext([0.0])
-    with timer as attn, kv_sampler(engine, sample_kv) as snap:
+    frames: list = []
+    with timer as attn, kv_sampler(engine, sample_kv, record_blocks) as snap:
         attn_prev = attn[0]
         while engine.has_unfinished_requests():
             t0 = time.monotonic()
@@ -135,6 +142,8 @@ def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_atte
                     outputs[i] = o.outputs[0].token_ids
             if sample_kv:
                 sample.update(snap[0])
+                if record_blocks:
+                    frames.append((engine_time, sample.pop("blocks")))
             else:
                 sample["running"] = engine.scheduler.num_running
                 sample["waiting"] = engine.scheduler.num_waiting
@@ -167,6 +176,8 @@ def run_workload(engine, requests: list[dict], sample_kv: bool = True, time_atte
         "requests": per_request,
         "outputs": outputs,
     }
+    if record_blocks and sample_kv:
+        result["block_frames"] = frames
     if time_attention and samples and "attn" in samples[0]:
         attn_total = sum(s["attn"] for s in samples)
         result["attention_s"] = attn_total

@@ -5,7 +5,7 @@ Why a thread: a model forward takes milliseconds to seconds and would freeze the
 the GIL inside its kernels, so the loop stays responsive while the engine computes.
 
 Thread safety: the LLMEngine is touched by the engine thread only. Other threads talk to it
-through a command queue (add / abort / stats) that the engine thread drains between steps, so no
+through a command queue (add / abort / queries such as stats) that the engine thread drains between steps, so no
 lock is held across a forward pass and an abort frees its KV blocks before the very next step.
 Outputs go back to each request's own asyncio.Queue through ``loop.call_soon_threadsafe`` (one
 call per step and event loop, not one per token).
@@ -201,9 +201,16 @@ class AsyncLLMEngine:
 
     async def get_stats(self) -> dict:
         """LLMEngine.get_stats(), computed by the engine thread between steps (a consistent snapshot)."""
+        return await self._query(self.engine.get_stats)
+
+    async def get_kv_blocks(self) -> dict:
+        """LLMEngine.get_kv_blocks(), taken by the engine thread between steps (a consistent snapshot)."""
+        return await self._query(self.engine.get_kv_blocks)
+
+    async def _query(self, read: Callable[[], dict]) -> dict:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict] = loop.create_future()
-        self._submit(("stats", fut))
+        self._submit(("query", fut, read))
         return await fut
 
     # ---- the engine thread --------------------------------------------------------------
@@ -256,9 +263,9 @@ class AsyncLLMEngine:
                     for i in ids:
                         self._streams.pop(i, None)
                         self._last_token_time.pop(i, None)
-            elif kind == "stats":
+            elif kind == "query":
                 try:
-                    self._resolve(cmd[1], self.engine.get_stats())
+                    self._resolve(cmd[1], cmd[2]())
                 except Exception as e:
                     self._resolve(cmd[1], error=e)
 
@@ -383,7 +390,7 @@ class AsyncLLMEngine:
             # Commands that arrived too late: answer their futures so no caller hangs.
             while self._commands:
                 cmd = self._commands.popleft()
-                if cmd[0] in ("add", "stats"):
+                if cmd[0] in ("add", "query"):
                     self._resolve(cmd[-1] if cmd[0] == "add" else cmd[1], error=dead)
 
 

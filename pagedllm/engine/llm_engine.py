@@ -229,6 +229,15 @@ class LLMEngine:
             **self.stats_counters,
         }
 
+    def get_kv_blocks(self) -> dict:
+        """The KV cache block by block (kv/block_view.py) with get_stats() of the same moment, so a
+        viewer's counters and its grid agree. JSON-ready; shares no mutable state with the engine."""
+        snapshot = self.kv_manager.block_snapshot().to_dict()
+        for seq in snapshot["seqs"]:
+            group = self._group_of.get(seq["seq_id"])
+            seq["request_id"] = group.request_id if group is not None else seq["seq_id"]
+        return {**snapshot, "stats": self.get_stats()}
+
 
 def _grammar_eos(engine: LLMEngine) -> int | None:
     """The end-of-sequence token a completed structured output allows: the tokenizer's own when

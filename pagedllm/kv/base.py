@@ -6,6 +6,7 @@ import abc
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from pagedllm.kv.block_view import BlockSnapshot
 from pagedllm.sequence import Sequence
 
 # Block-table entry of a block released because it fell out of every layer's sliding window: no
@@ -97,6 +98,13 @@ class KVCacheManager(abc.ABC):
         """After a step: frees the sequence's blocks no query of it can see any more (all layers
         windowed); returns how many. Managers that keep every block return 0."""
         return 0
+
+    @abc.abstractmethod
+    def block_snapshot(self) -> BlockSnapshot:
+        """Every physical block's state and every sequence's block table (kv/block_view.py).
+
+        Cheap at any cache size (numpy over blocks, Python only per sequence): the server's
+        /kv/blocks takes one between engine steps at up to a few Hz."""
 
     def cache_computed_blocks(self, seq: Sequence) -> None:  # noqa: B027 (optional: no prefix cache)
         """Registers the sequence's full, written blocks in the prefix cache (if it has one)."""

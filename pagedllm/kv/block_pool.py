@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 
 class BlockHash(NamedTuple):
     """Identifies a full block by its whole prefix.
@@ -54,7 +56,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.ref_cnt = [0] * num_blocks
+        # An array, not a list: indexing is as cheap, and numpy reads it without a copy
+        # (block_view snapshots 100k blocks in microseconds).
+        self.ref_cnt = array("i", bytes(4 * num_blocks))
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # Free blocks in eviction order (front = evicted first). OrderedDict gives O(1) removal of
         # a cached block that gets hit while free.
@@ -83,6 +87,16 @@ class BlockPool:
 
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_block_ids(self) -> np.ndarray:
+        """The blocks holding a prefix-cache entry (free or in use), as an int64 array."""
+        return np.fromiter(self._cached.values(), dtype=np.int64, count=len(self._cached))
+
+    def ref_counts(self) -> np.ndarray:
+        """Every block's reference count: a read-only view of the live counts (copy it to keep it)."""
+        view = np.frombuffer(self.ref_cnt, dtype=np.intc)  # array "i" is a C int
+        view.flags.writeable = False
+        return view
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, n: int, follow: int | None = None, room: int = 0) -> list[int]:

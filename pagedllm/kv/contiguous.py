@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
+from pagedllm.kv import block_view
 from pagedllm.kv.base import KVCacheManager, KVCacheStats
 from pagedllm.sequence import Sequence
 from pagedllm.utils import cdiv
@@ -190,6 +193,20 @@ class ContiguousKVCacheManager(KVCacheManager):
             free=total - reserved,
             unusable_free=unusable,
         )
+
+    def block_snapshot(self) -> block_view.BlockSnapshot:
+        """Each reservation: its blocks holding tokens "used", the rest of it "reserved" (the unused
+        tail the paper's Figure 2 shows). One slice assignment per reservation."""
+        bs = self.block_size
+        states = np.full(self.num_blocks, block_view.FREE, dtype=np.uint8)
+        seqs = []
+        for rid, (start, nblocks, _) in self._runs.items():
+            n = self._num_tokens[rid]
+            held = min(cdiv(n, bs), nblocks)
+            states[start : start + held] = block_view.USED
+            states[start + held : start + nblocks] = block_view.RESERVED
+            seqs.append(block_view.SeqBlocks(rid, list(self._tables[rid]), n, nblocks * bs))
+        return block_view.BlockSnapshot(layout="contiguous", block_size=bs, states=states, seqs=seqs)
 
     def check_invariants(self) -> None:
         """Live runs and free runs tile [0, num_blocks) exactly; totals match; free runs coalesced."""

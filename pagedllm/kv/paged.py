@@ -26,6 +26,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
+from pagedllm.kv import block_view
 from pagedllm.kv.base import NULL_BLOCK, BlockOp, KVCacheManager, KVCacheStats
 from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
 from pagedllm.sequence import Sequence
@@ -63,6 +66,8 @@ class PagedKVCacheManager(KVCacheManager):
         # Host-memory pool for swapped-out sequences (enable_swap), and their tables in it.
         self.host_pool: BlockPool | None = None
         self._host_tables: dict[str, list[int]] = {}
+        # Device blocks the last taken swap ops moved out of or into (shown as "swapping").
+        self._last_swapped_blocks: list[int] = []
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -228,6 +233,9 @@ class PagedKVCacheManager(KVCacheManager):
 
     def take_block_ops(self) -> list[BlockOp]:
         ops, self._ops = self._ops, []
+        self._last_swapped_blocks = [
+            src if op.kind == "swap_out" else dst for op in ops if op.kind != "copy" for src, dst in op.pairs
+        ]
         return ops
 
     # ---- swapping ------------------------------------------------------------------------
@@ -309,28 +317,65 @@ class PagedKVCacheManager(KVCacheManager):
         return cdiv(num_tokens, self.block_size) <= self.num_blocks
 
     def stats(self) -> KVCacheStats:
+        """O(sequences), not O(blocks): the blocks the tables hold are exactly those with a
+        reference, and only a table's last block can be partly filled.
+
+        A block's fill is the most any holder has written into it. A last block with fill f < bs
+        is partly filled unless another table holds it further (as a full block, or with more
+        tokens): then some holder's count exceeds f. Counting, per such block, the tables that
+        hold it as a partly filled last block tells: when that equals its refcount, every holder
+        sees it partly filled and its fill is the largest of their f.
+        """
         bs = self.block_size
-        fill: dict[int, int] = {}
+        partial: dict[int, list[int]] = {}  # block -> [largest fill, tables holding it as partly filled last]
+        logical = 0
         for rid, table in self._tables.items():
-            n = self._num_tokens[rid]
-            for i, b in enumerate(table):
-                if b == NULL_BLOCK:
-                    continue
-                f = min(bs, n - i * bs)
-                if f > fill.get(b, 0):
-                    fill[b] = f
-        shared = sum(1 for b in fill if self.pool.ref_cnt[b] > 1)
-        reserved = len(fill) * bs
-        used = sum(fill.values())
+            logical += len(table) - table.count(NULL_BLOCK)  # released entries hold nothing
+            if not table:
+                continue
+            f = self._num_tokens[rid] - (len(table) - 1) * bs
+            if f < bs:
+                entry = partial.setdefault(table[-1], [0, 0])
+                entry[0] = max(entry[0], f)
+                entry[1] += 1
+        refs = self.pool.ref_counts()
+        num_blocks_held = self.pool.num_used_blocks
+        unwritten = sum(bs - f for b, (f, k) in partial.items() if refs[b] == k)
+        reserved = num_blocks_held * bs
         total = self.num_blocks * bs
-        logical = sum(1 for t in self._tables.values() for b in t if b != NULL_BLOCK)
         return KVCacheStats(
             total=total,
             reserved=reserved,
-            used=used,
+            used=reserved - unwritten,
             free=total - reserved,
-            shared_blocks=shared,
+            shared_blocks=int(np.count_nonzero(refs > 1)),
             logical_blocks=logical,
+        )
+
+    def block_snapshot(self) -> block_view.BlockSnapshot:
+        refs = self.pool.ref_counts()
+        states = np.where(refs > 1, block_view.SHARED, np.where(refs == 1, block_view.USED, block_view.FREE))
+        states = states.astype(np.uint8)
+        cached = self.pool.cached_block_ids()
+        states[cached[refs[cached] == 0]] = block_view.CACHED
+        if self._last_swapped_blocks and (self._tables or self._host_tables):  # idle: nothing is moving
+            states[np.asarray(self._last_swapped_blocks, dtype=np.int64)] = block_view.SWAPPING
+        shared = np.flatnonzero(refs > 1)
+        bs = self.block_size
+        seqs = [
+            block_view.SeqBlocks(rid, list(table), self._num_tokens[rid], len(table) * bs)
+            for rid, table in self._tables.items()
+        ]
+        host = self.host_pool
+        return block_view.BlockSnapshot(
+            layout="paged",
+            block_size=bs,
+            states=states,
+            seqs=seqs,
+            shared_blocks=shared,
+            shared_refs=refs[shared].astype(np.int64),
+            num_host_blocks=host.num_blocks if host is not None else 0,
+            num_host_blocks_used=host.num_used_blocks if host is not None else 0,
         )
 
     def check_invariants(self) -> None:
@@ -339,7 +384,7 @@ class PagedKVCacheManager(KVCacheManager):
         for table in self._tables.values():
             for b in _live(table):
                 refs[b] += 1
-        assert refs == self.pool.ref_cnt, "refcounts differ from the block tables' references"
+        assert refs == list(self.pool.ref_cnt), "refcounts differ from the block tables' references"
         assert not set(self._tables) & set(self._host_tables), "a sequence is both on the device and swapped"
         if self.host_pool is not None:
             self.host_pool.check_invariants()
@@ -347,7 +392,7 @@ class PagedKVCacheManager(KVCacheManager):
             for table in self._host_tables.values():
                 for b in _live(table):
                     refs[b] += 1
-            assert refs == self.host_pool.ref_cnt, "host refcounts differ from the swapped tables' references"
+            assert refs == list(self.host_pool.ref_cnt), "host refcounts differ from the swapped tables' references"
         else:
             assert not self._host_tables
         for tables in (self._tables, self._host_tables):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app, middleware, routes, and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize (bearer auth
-when an API key is set), /health, /version, /metrics (Prometheus), /stats (JSON engine stats).
+when an API key is set), /health, /version, /metrics (Prometheus), /stats (JSON engine stats),
+/kv (a live view of the KV cache) and /kv/blocks (its data: kv_view.py).
 
 Every error is answered in OpenAI's shape with a 4xx status when the input is at fault; FastAPI's
 422 validation errors become 400s, as OpenAI clients expect.
@@ -32,6 +33,7 @@ import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.builder import tokenizer_path
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.kv_view import add_kv_view_routes
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -79,8 +81,9 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-# Routes any client may call without a key: load balancers and orchestrators probe /health.
-PUBLIC_PATHS = frozenset({"/health"})
+# Routes any client may call without a key: load balancers and orchestrators probe /health; the
+# /kv page is static and holds no data (its script reads /kv/blocks with the key).
+PUBLIC_PATHS = frozenset({"/health", "/kv"})
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -455,6 +458,14 @@ def build_app(
             "num_step_errors": engine.num_step_errors,
             "consecutive_step_failures": engine.consecutive_step_failures,
         }
+
+    async def kv_blocks() -> dict:
+        try:
+            return await engine.get_kv_blocks()
+        except EngineDeadError as e:
+            raise APIError("The engine is not running.", 503) from e
+
+    add_kv_view_routes(app, kv_blocks, {**_AUTH_ERRORS, **_ENGINE_ERRORS})
 
     @app.get(
         "/metrics",
