@@ -1,9 +1,9 @@
 """tensor_parallel_size=2 (the "mp" executor: a worker process and the driver as rank 0) runs the
 same greedy tokens as tensor_parallel_size=1 and as Hugging Face transformers, logprobs within
 1e-4, for KV heads that split over the ranks (llama, mistral: 2 KV heads) and fewer KV heads
-than ranks (qwen2: 1 KV head, replicated); under chunked prefill, prefix caching and preemption;
-on the compiled kernels' fused layer loop and the reference path. A killed worker is an error
-naming it, never a hang."""
+than ranks (qwen2: 1 KV head, replicated), and Qwen3's per-head q/k norms; under chunked
+prefill, prefix caching and preemption; on the compiled kernels' fused layer loop and the
+reference path. A killed worker is an error naming it, never a hang."""
 
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def _assert_same(ours, ref) -> None:
         assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [(f, b) for f in ("llama", "qwen2", "mistral") for b in ("auto", "torch")] + [("qwen3", "auto")],
+)
 def test_tp2_greedy_matches_transformers(tiny_model_dirs, family, backend):
     import pagedllm.kernels
 

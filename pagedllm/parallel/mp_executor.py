@@ -217,7 +217,13 @@ def worker_main(config: EngineConfig, rank: int, port: int) -> None:
         num_kv_blocks, num_swap_blocks = tp.broadcast_object()
         runner = build_runner(config, loaded, num_kv_blocks, num_swap_blocks)
         while (sched := tp.broadcast_object()) is not None:
-            runner.execute(sched)
+            try:
+                runner.execute(sched)
+            except Exception:
+                # A step that raises here raises on the driver too (the same inputs, the same
+                # code), which then retries or fails its requests: keep serving. A lost driver
+                # fails the next broadcast, outside this handler.
+                logger.exception("pagedllm: tensor-parallel rank %d: step failed", rank)
     except BaseException:
         # The driver sees this rank's exit code (and its collectives fail); the cause is here.
         traceback.print_exc()
