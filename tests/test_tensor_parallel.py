@@ -66,10 +66,13 @@ def _stress_prompts() -> list[list[int]]:
     return prompts + [shared + [7 + i] * (i + 1) for i in range(4)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs, family):
+@pytest.mark.parametrize(
+    ("family", "preemption_mode"), [("llama", "recompute"), ("qwen2", "recompute"), ("llama", "swap")]
+)
+def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs, family, preemption_mode):
     """16-token steps chunk every long prompt; 24 blocks of 8 tokens cannot hold the batch, so
-    sequences are preempted (recomputed) and come back; shared prefixes hit the cache."""
+    sequences are preempted (recomputed, or swapped out of every rank's cache and back) and come
+    back; shared prefixes hit the cache."""
     model_dir = tiny_model_dirs[family]
     prompts = _stress_prompts()
     ref = hf_reference(model_dir, prompts)
@@ -80,6 +83,7 @@ def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs
         block_size=8,
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
+        preemption_mode=preemption_mode,
         num_threads=1,
     )
     tp1 = _outputs(LLM(**kwargs), prompts)
@@ -87,6 +91,7 @@ def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs
     try:
         tp2 = _outputs(llm, prompts)
         sched = llm.llm_engine.scheduler
+        swaps = sched.num_swap_preemptions
         stats = (sched.num_preemptions, llm.llm_engine.kv_manager.prefix_cache_stats()[1])
     finally:
         _shutdown(llm)
@@ -94,6 +99,22 @@ def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs
     _assert_same(tp2, ref)
     assert stats[0] > 0, "the KV cache was meant to be too small: no preemption happened"
     assert stats[1] > 0, "the shared prefixes were meant to hit the prefix cache"
+    assert (swaps > 0) == (preemption_mode == "swap")
+
+
+def test_tp2_dequantizes_a_gguf_and_matches_tp1(tiny_llama, tmp_path):
+    """quantization="auto" keeps GGUF blocks only where they are not sharded: under TP the weights
+    load dequantized, as quantization=None does at TP=1, with the same output."""
+    from gguf_models import write_gguf
+
+    path = write_gguf(tiny_llama, str(tmp_path / "tiny.gguf"), {})
+    prompts = make_prompts(4)
+    tp1 = _outputs(LLM(model=path, dtype="float32", num_kv_blocks=64, quantization=None, num_threads=1), prompts)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, num_threads=1)
+    try:
+        _assert_same(_outputs(llm, prompts), tp1)
+    finally:
+        _shutdown(llm)
 
 
 def test_tp2_shards_kv_heads_and_skips_the_whole_step_decode_plan(tiny_model_dirs):

@@ -248,6 +248,9 @@ def native_gguf_path(config: EngineConfig) -> str | None:
         return source
     if config.quantization != "auto" or source is None or config.device != "cpu":
         return None
+    if config.tensor_parallel_size > 1:
+        # Quantized blocks are not sharded yet; dequantized float weights shard like any checkpoint.
+        return None
     # "auto" runs the blocks natively where the integer kernel runs. Without it (no compiler, or the
     # reference backend) each forward would dequantize every layer again: dequantizing once at
     # load is faster there.
