@@ -196,6 +196,11 @@ class TensorParallelRunner:
 
 
 def _is_collective_failure(e: BaseException) -> bool:
+    """torch.distributed's own error types, or gloo's plain RuntimeErrors about its connections."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
     text = str(e).lower()
     return any(
         needle in text for needle in ("gloo", "connection", "timed out", "timeout", "peer", "broken pipe", "socket")
