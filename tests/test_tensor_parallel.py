@@ -208,3 +208,38 @@ def test_shapes_that_do_not_split_are_named():
     assert "attention heads" in tensor_parallel_refusal(6, 2, 128, 4)
     assert "KV heads" in tensor_parallel_refusal(12, 3, 128, 2)
     assert "intermediate" in tensor_parallel_refusal(4, 2, 129, 2)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` started through multiprocessing's spawn (its workers), by /proc."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    out = []
+    for k in kids:
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(k)
+    return out
+
+
+def test_server_with_tp2_answers_then_turns_unhealthy_when_a_worker_dies(tiny_llama, tmp_path):
+    import httpx
+    from test_server import ServerProcess
+
+    srv = ServerProcess(tiny_llama, str(tmp_path / "server.log"), "--tensor-parallel-size", "2")
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        offline = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, num_threads=1).generate(
+            [{"prompt_token_ids": body["prompt"]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
+        assert r.json()["choices"][0]["text"] == offline[0].outputs[0].text
+        (worker,) = _spawned_children(srv.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        codes = [httpx.post(srv.url("/v1/completions"), json=body, timeout=ERROR_WAIT_S).status_code for _ in range(4)]
+        assert set(codes) == {500}
+        assert httpx.get(srv.url("/health"), timeout=10).status_code == 503
+        assert "worker rank 1" in srv.log_tail(1_000_000)
+    finally:
+        srv.stop()
