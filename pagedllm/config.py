@@ -80,9 +80,13 @@ class EngineConfig:
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1: no cap.
     # A request's -1 (the whole vocabulary) counts as the vocabulary size, as in vLLM.
     max_logprobs: int = 20
-    # One device only for now; vLLM's defaults (1) are accepted, more is refused.
+    # Ranks the model is sharded over (Megatron-style, parallel/): worker processes on this node,
+    # gloo collectives, CPU only for now. Pipeline parallelism: only 1 (vLLM's default).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # How tensor-parallel ranks run (vLLM's name): None or "mp" (worker processes this engine
+    # starts); "uni" (one process) only with tensor_parallel_size=1; "ray" is not implemented yet.
+    distributed_executor_backend: str | None = None
     # Accepted, no effect: vLLM's switch to skip CUDA graph capture; pagedllm runs eagerly always.
     enforce_eager: bool = False
     # Accepted, no effect: the engine logs no periodic stats (they are on /metrics and /stats).
@@ -106,10 +110,12 @@ class EngineConfig:
             raise ValueError(f"tokenizer_mode must be one of {_TOKENIZER_MODES}, got {self.tokenizer_mode!r}.")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}.")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            v = getattr(self, name)
-            if v != 1:
-                raise ValueError(f"{name}={v!r} is not supported yet: pagedllm runs a model on one device (use 1).")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size!r} is not supported yet: "
+                "use 1 (tensor_parallel_size splits a model over processes)."
+            )
+        self._check_tensor_parallel()
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -138,6 +144,31 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (no cap), got {self.max_logprobs!r}.")
         if self.num_swap_blocks is not None and (not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
             raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}.")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValueError(
+                "distributed_executor_backend='ray' is not supported yet: use 'mp' (worker processes on this node)."
+            )
+        if backend not in (None, "mp", "uni"):
+            raise ValueError(f"distributed_executor_backend must be None, 'mp' or 'uni', got {backend!r}.")
+        if tp == 1:
+            return
+        if backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one process: tensor_parallel_size={tp} needs 'mp'."
+            )
+        if self.device != "cpu":
+            raise ValueError(f"tensor_parallel_size={tp} runs on the CPU only for now (gloo), not {self.device!r}.")
+        if self.quantization == "gguf":
+            raise ValueError(
+                f"tensor_parallel_size={tp} with quantization='gguf' is not supported: GGUF weights are not "
+                "sharded in their quantized blocks yet (quantization=None dequantizes them at load)."
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -50,7 +50,6 @@ VLLM_UNSUPPORTED: dict[str, object] = {
     "disable_custom_all_reduce": False,
     "disable_hybrid_kv_cache_manager": False,
     "disable_mm_preprocessor_cache": False,
-    "distributed_executor_backend": None,
     "download_dir": None,
     "enable_eplb": False,
     "enable_expert_parallel": False,

@@ -68,10 +68,14 @@ def test_unsupported_vllm_args_are_named(kwargs, needle):
         EngineConfig.from_kwargs(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_parallelism_above_one_is_not_supported_yet(name):
-    with pytest.raises(ValueError, match=f"{name}=2 is not supported yet"):
-        EngineConfig.from_kwargs(**{name: 2})
+def test_pipeline_parallelism_above_one_is_not_supported_yet():
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported yet"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2)
+
+
+def test_tensor_parallel_size_and_executor_backend_are_accepted():
+    cfg = EngineConfig.from_kwargs(tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert (cfg.tensor_parallel_size, cfg.distributed_executor_backend) == (2, "mp")
 
 
 def test_unknown_name_is_a_type_error_with_a_hint():

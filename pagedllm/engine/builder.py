@@ -47,16 +47,35 @@ class EngineParts:
     num_swap_blocks: int
     kv_manager: KVCacheManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner  # or a TensorParallelRunner (parallel/mp_executor.py): the same execute()
+    kv_bytes_per_block: int  # this rank's (its KV heads only under tensor parallelism)
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+@dataclass
+class LoadedModel:
+    """What one rank loads: the model (this rank's shard under tensor parallelism) and its facts."""
+
+    model_path: str
+    hf_config: object
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    kernels: CpuKernels | None
+    model: torch.nn.Module
+
+
+def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel:
+    """Resolves and loads the model of ``config`` with the CPU kernels where they build.
+    ``tensor_parallel``: this rank's TensorParallelGroup, or None for the whole model."""
     from pagedllm.models.resolve import resolve_model_path
 
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
     native_gguf = native_gguf_path(config)
+    if native_gguf is not None and tensor_parallel is not None:
+        raise ValueError(
+            "tensor parallelism does not shard GGUF weights in their quantized blocks yet: "
+            "quantization=None dequantizes them at load."
+        )
     model_path = resolve_model_path(config.model, weights=native_gguf is None, revision=config.revision)
     hf_config = load_hf_config(model_path)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len, config.disable_sliding_window)
@@ -65,7 +84,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
         # within the window, so the outputs are the windowed model's.
         hf_config.sliding_window = None
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    t0 = time.perf_counter()
     kernels = None
     if device.type == "cpu":
         keep_freed_memory_in_heap()
@@ -78,61 +96,106 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
         model = load_gguf_model(native_gguf, hf_config, dtype, device, max_model_len, kernels)
     else:
-        model = load_model(model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels)
-    tokenizer = None if config.skip_tokenizer_init else _tokenizer(config, model_path, hf_config)
-    default_sampling = load_generation_defaults(config.generation_config, model_path)
+        model = load_model(
+            model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels, tensor_parallel=tensor_parallel
+        )
+    return LoadedModel(model_path, hf_config, max_model_len, dtype, device, kernels, model)
+
+
+def build_runner(config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
+    """The runner over a fresh KV cache of ``num_kv_blocks`` (and a host swap pool if any)."""
+    model, dtype = loaded.model, loaded.dtype
+
+    def caches(num_blocks: int, dev: torch.device):
+        return allocate_kv_cache(
+            len(model.layers), num_blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, dev
+        )
+
+    kv_caches = caches(num_kv_blocks, loaded.device)
+    # Pinned host memory would make device->host copies asynchronous on CUDA; CPU: plain.
+    host_caches = caches(num_swap_blocks, torch.device("cpu")) if num_swap_blocks else None
+    return ModelRunner(
+        model,
+        kv_caches,
+        config.block_size,
+        loaded.max_model_len,
+        loaded.device,
+        config.seed,
+        loaded.kernels,
+        host_caches,
+    )
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    t0 = time.perf_counter()
+    executor = None
+    if config.tensor_parallel_size > 1:
+        from pagedllm.parallel.mp_executor import MultiprocExecutor
+
+        executor = MultiprocExecutor.start(config)  # rank 0 is this process
+    elif config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    try:
+        parts = _build_parts(config, executor)
+    except BaseException:
+        if executor is not None:
+            executor.shutdown(graceful=False)
+        raise
+    logger.info(
+        "pagedllm: %s (%s) on %s, %s%s; KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), "
+        "max_model_len %d; ready in %.1fs",
+        parts.model_path,
+        type(parts.model).__name__,
+        parts.device,
+        str(parts.dtype).removeprefix("torch."),
+        f", tensor parallel x{config.tensor_parallel_size}" if executor is not None else "",
+        parts.num_kv_blocks,
+        config.block_size,
+        parts.num_kv_blocks * config.block_size,
+        parts.num_kv_blocks * parts.kv_bytes_per_block / 2**30,
+        parts.max_model_len,
+        time.perf_counter() - t0,
+    )
+    return parts
+
+
+def _build_parts(config: EngineConfig, executor) -> EngineParts:
+    loaded = load_engine_model(config, None if executor is None else executor.tp)
+    model, device, dtype = loaded.model, loaded.device, loaded.dtype
+    tokenizer = None if config.skip_tokenizer_init else _tokenizer(config, loaded.model_path, loaded.hf_config)
+    default_sampling = load_generation_defaults(config.generation_config, loaded.model_path)
     if not config.enable_chunked_prefill:
         logger.warning("enable_chunked_prefill=False: prefills are still chunked to max_num_batched_tokens")
     if device.type == "cpu":
         release_freed_heap()  # before the KV cache: what loading freed goes back to the OS
 
-    num_layers = len(model.layers)
-    per_block = kv_bytes_per_block(num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
+    # Under tensor parallelism: this rank's KV heads; every rank holds as many blocks.
+    per_block = kv_bytes_per_block(len(model.layers), config.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_kv_blocks = _num_kv_blocks(config, per_block, device)
-
-    def caches(num_blocks: int, dev: torch.device):
-        return allocate_kv_cache(
-            num_layers, num_blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, dev
-        )
-
-    kv_caches = caches(num_kv_blocks, device)
-    kv_manager = make_kv_manager(config, num_kv_blocks, max_model_len, release_window(hf_config))
+    kv_manager = make_kv_manager(config, num_kv_blocks, loaded.max_model_len, release_window(loaded.hf_config))
     num_swap_blocks = _enable_swap(config, kv_manager, per_block)
-    # Pinned host memory would make device->host copies asynchronous on CUDA; CPU: plain.
-    host_caches = caches(num_swap_blocks, torch.device("cpu")) if num_swap_blocks else None
-    scheduler = Scheduler(config, kv_manager, max_model_len)
-    runner = ModelRunner(model, kv_caches, config.block_size, max_model_len, device, config.seed, kernels, host_caches)
-    logger.info(
-        "pagedllm: %s (%s) on %s, %s; KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), "
-        "max_model_len %d; ready in %.1fs",
-        model_path,
-        type(model).__name__,
-        device,
-        str(dtype).removeprefix("torch."),
-        num_kv_blocks,
-        config.block_size,
-        num_kv_blocks * config.block_size,
-        num_kv_blocks * per_block / 2**30,
-        max_model_len,
-        time.perf_counter() - t0,
-    )
+    scheduler = Scheduler(config, kv_manager, loaded.max_model_len)
+    runner = build_runner(config, loaded, num_kv_blocks, num_swap_blocks)
+    if executor is not None:
+        runner = executor.start_steps(runner, num_kv_blocks, num_swap_blocks)
     return EngineParts(
         config,
-        model_path,
-        hf_config,
-        max_model_len,
+        loaded.model_path,
+        loaded.hf_config,
+        loaded.max_model_len,
         dtype,
         device,
         model,
         tokenizer,
-        eos_token_ids(hf_config, tokenizer, model_path),
+        eos_token_ids(loaded.hf_config, tokenizer, loaded.model_path),
         default_sampling,
-        kernels,
+        loaded.kernels,
         num_kv_blocks,
         num_swap_blocks,
         kv_manager,
         scheduler,
         runner,
+        per_block,
     )
 
 
@@ -188,6 +251,9 @@ def native_gguf_path(config: EngineConfig) -> str | None:
             raise ValueError("quantization='gguf' runs on the CPU only; quantization=None dequantizes at load.")
         return source
     if config.quantization != "auto" or source is None or config.device != "cpu":
+        return None
+    if config.tensor_parallel_size > 1:
+        # Quantized blocks are not sharded yet; dequantized float weights shard like any checkpoint.
         return None
     # "auto" runs the blocks natively where the integer kernel runs. Without it (no compiler, or the
     # reference backend) each forward would dequantize every layer again: dequantizing once at

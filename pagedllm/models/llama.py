@@ -240,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
     # fused [gate; up] projections whose packed bf16 GEMM may apply silu(gate) * up in its epilogue
     silu_mul_projections: tuple[str, ...] = ("gate_up_proj",)
     rope_class: type[RotaryEmbedding] = RotaryEmbedding
+    tensor_parallel_size = 1  # ranks this model is a shard of (set by parallel/sharding.py)
 
     def __init__(self, hf_config, max_model_len: int) -> None:
         super().__init__()
@@ -253,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = self.rope_class(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
+        # A head object compute_logits / greedy_tokens call instead of F.linear: PackedLinear
+        # (bf16 CPU) or VocabParallelHead (a tensor-parallel shard); None: the plain matmul.
         self.packed_head = None
         self.kernels: CpuKernels | None = None  # compiled CPU kernels of the fused path (enable_cpu_kernels)
         self._decoder_plan = None  # float32 decode-only steps in one kernel call (enable_cpu_kernels)
@@ -324,6 +327,10 @@ class LlamaForCausalLM(nn.Module):
         if self.qk_norm:
             # The plan has no q/k norm step: running it would skip the norms. The fused Python
             # loop applies them, so every step of such a model runs there.
+            return None
+        if self.tensor_parallel_size > 1:
+            # The C++ loop cannot all-reduce between a row-parallel projection and the residual
+            # add; the fused Python loop calls the layers, which do.
             return None
         projections = []
         for layer in self.layers:

@@ -74,10 +74,13 @@ def load_model(
     max_model_len: int,
     pack_weights: bool = True,
     cpu_kernels=None,
+    tensor_parallel=None,
 ) -> CausalLM:
     """Any registered family (registry.py), through the CausalLM contract only. ``cpu_kernels``:
     the compiled CPU kernels (pagedllm.kernels) for the families' fused CPU paths (bf16 and
-    float32; bf16 weights also packed for their GEMMs), or None."""
+    float32; bf16 weights also packed for their GEMMs), or None. ``tensor_parallel``: this rank's
+    TensorParallelGroup: the model is cut to its shard (parallel/sharding.py) before the kernels
+    resolve its layers; its bf16 weights stay unpacked (the packed head has no vocabulary shard)."""
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)
@@ -90,6 +93,11 @@ def load_model(
     model.requires_grad_(False)
     # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
     model.num_params = sum(p.numel() for p in model.parameters())
+    if tensor_parallel is not None:
+        from pagedllm.parallel.sharding import shard_llama
+
+        shard_llama(model, tensor_parallel)
+        pack_weights = False
     if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
         model.pack_for_cpu(cpu_kernels)
     if cpu_kernels is not None and hasattr(model, "enable_cpu_kernels"):  # optional: a fused layer path
