@@ -37,7 +37,7 @@ def family_configs() -> dict[str, object]:
         "mistral (window 128)": tf.MistralConfig(**llama_like, sliding_window=WINDOW),
         "qwen2": tf.Qwen2Config(**llama_like, tie_word_embeddings=True),
         "qwen3": tf.Qwen3Config(**llama_like, head_dim=64, tie_word_embeddings=True),
-        "phi3": tf.Phi3Config(**llama_like, sliding_window=None),
+        "phi3": tf.Phi3Config(**llama_like, sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2),
         "gemma3 (5 local : 1 global, window 128)": tf.Gemma3TextConfig(
             **llama_like, head_dim=64, sliding_window=WINDOW, query_pre_attn_scalar=64
         ),
@@ -108,7 +108,9 @@ def run_family(name: str, model_dir: str, args: argparse.Namespace) -> dict:
     if done.returncode != 0:
         return {"label": name, "error": done.stderr.strip().splitlines()[-1] if done.stderr else "failed"}
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    result["model"] = f"random-weight {name.split()[0]} at the shared size"  # not the scratch folder's path
+    return result
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
@@ -120,6 +122,11 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         f"requests of {args.input_len} prompt + {args.output_len} output tokens, all at once, greedy; "
         f"median of {args.repeats} runs. Windowed families use a {WINDOW}-token window.",
         "Made by `flock /tmp/pagedllm-bench.lock python3 benchmarks/results/families/bench_families.py`.",
+        "",
+        "KV bytes per token = 2 (K and V) x layers x KV heads x head size x 4 bytes: GPT-2 and OPT have",
+        "no grouped-query attention (8 KV heads, not 4), so a token of context costs them twice as much",
+        "cache, and half as many sequences fit. Mistral's window releases blocks as sequences grow past",
+        "it (KV held per sequence stays ~window-sized); Gemma 3's global layers keep every block.",
         "",
         "| family | architecture | parameters | KV bytes / token | output tok/s | total tok/s | ms / output token |",
         "|---|---|---|---|---|---|---|",
