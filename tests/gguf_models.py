@@ -11,6 +11,7 @@ checkpoint).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -33,6 +34,8 @@ _NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused q/k/v
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused [gate; up], under llama.cpp's up name
 }
 # model_type -> llama.cpp's general.architecture, whether its converter permutes q/k rows, and the
 # tokenizer.ggml.pre it writes for the family's BPE ("qwen2": Qwen's split regex)
@@ -40,6 +43,7 @@ ARCHITECTURES = {
     "llama": ("llama", True, "default"),
     "qwen2": ("qwen2", False, "qwen2"),
     "qwen3": ("qwen3", False, "qwen2"),
+    "phi3": ("phi3", False, "default"),
 }
 
 
@@ -104,7 +108,11 @@ def write_gguf(
     # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
     w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
+    if cfg["model_type"] == "phi3":
+        _add_phi3_rope(w, cfg)
     _add_tokenizer(w, hf_dir, pre)
+    if cfg.get("pad_token_id") is not None:  # gguf-py's SpecialVocab takes it from config.json
+        w.add_pad_token_id(cfg["pad_token_id"])
     for name, t in tensors.items():
         gname = gguf_name(name)
         a = t.float().numpy()
@@ -130,6 +138,24 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_phi3_rope(w: GGUFWriter, cfg: dict) -> None:
+    """What llama.cpp's Phi-3 converter writes of its RoPE: the rotary dims, the sliding window
+    (0: none), and for LongRoPE the original context, the attention factor it derives from the two
+    lengths and the factors as the tensors rope_factors_short / _long."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    orig = cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(orig)
+    scale = cfg["max_position_embeddings"] / orig
+    w.add_rope_scaling_attn_factors(1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig)))
+    for kind in ("long", "short"):
+        w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(w: GGUFWriter, hf_dir: str, pre: str) -> None:

@@ -25,10 +25,23 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 T = GGMLQuantizationType
-FAMILIES = ("llama", "qwen2", "qwen3")  # llama: permuted q/k rows; qwen2: q/k/v biases; qwen3: q/k norms
-MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output")
+# llama: permuted q/k rows; qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused q/k/v and
+# gate/up, LongRoPE factors as tensors; phi3_partial: RoPE on 3/4 of each head (its q/k rows reordered)
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "phi3_partial")
+MATRICES = (
+    *("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
+    *("token_embd", "output"),
+)
 NEW_TOKENS = 12
-PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 42], [1, 2, 3], [300, 200, 100, 50, 25, 12, 6]]
+# The last is past the tiny Phi-3's LongRoPE original context (64): it runs on the long factors,
+# the others on the short ones. (None crosses it while generating: there transformers' generate
+# recomputes the cache, see test_family_phi3. None reaches EOS greedily: min_new_tokens masks it.)
+PROMPTS = [
+    [5, 17, 99, 3, 250, 7, 7, 42],
+    [1, 2, 3],
+    [300, 200, 100, 50, 25, 12, 6],
+    [(11 * i + 5) % 500 for i in range(70)],
+]
 TEXTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog.",
@@ -103,7 +116,13 @@ def test_converted_config_is_the_families(f32_files, tiny_model_dirs, family):
 
 # The tokenizer class each family's checkpoints name (Qwen3's name Qwen2Tokenizer: NFC, Qwen's split
 # regex); the tiny folders name none, so transformers would pick another for the tiny Qwen3.
-REFERENCE_TOKENIZER = {"llama": "AutoTokenizer", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
+REFERENCE_TOKENIZER = {
+    "llama": "AutoTokenizer",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "phi3": "AutoTokenizer",
+    "phi3_partial": "AutoTokenizer",
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,7 +153,7 @@ def test_every_gguf_architecture_has_a_model_class():
 
 def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
     path = write_gguf(tiny_llama, str(tmp_path / "mamba.gguf"), {}, architecture="mamba")
-    supported = r"supported: llama, qwen2, qwen3\)"
+    supported = r"supported: llama, phi3, qwen2, qwen3\)"
     for weights in (True, False):  # dequantized and native: both convert the metadata first
         with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'mamba' \(" + supported):
             resolve_model_path(path, cache_dir=str(tmp_path / "cache"), weights=weights)

@@ -67,6 +67,9 @@ class GGUFArchitecture:
     global_tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_GLOBAL_TENSORS)
     metadata: Mapping[str, str] = field(default_factory=lambda: LLAMA_METADATA)
     config: Mapping[str, Any] = field(default_factory=dict)
+    # Tensors that hold config values, not weights (Phi-3's LongRoPE factors): the converter reads
+    # them into config.json, and neither loader makes a weight of them.
+    config_tensors: frozenset[str] = frozenset()
 
     def hf_name(self, gguf_name: str) -> str:
         """The HF name of a tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
@@ -117,6 +120,24 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 {**LLAMA_BLOCK_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
             ),
             config={"use_sliding_window": False},
+        ),
+        # q/k/v and [gate; up] fused as in the HF checkpoints, NEOX RoPE; LongRoPE's factors as
+        # tensors (read into rope_scaling by loader_gguf)
+        "phi3": GGUFArchitecture(
+            "Phi3ForCausalLM",
+            "phi3",
+            rope_permuted=False,
+            block_tensors=MappingProxyType(
+                {
+                    "attn_qkv": "self_attn.qkv_proj",
+                    "attn_output": "self_attn.o_proj",
+                    "ffn_up": "mlp.gate_up_proj",
+                    "ffn_down": "mlp.down_proj",
+                    "attn_norm": "input_layernorm",
+                    "ffn_norm": "post_attention_layernorm",
+                }
+            ),
+            config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
         ),
     }
 )
