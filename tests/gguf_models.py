@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "qwen2": ("qwen2", False, "qwen2"),
     "qwen3": ("qwen3", False, "qwen2"),
     "phi3": ("phi3", False, "default"),
+    "gpt2": ("gpt2", False, "gpt-2"),
 }
 
 
@@ -52,7 +53,8 @@ def gguf_name(hf: str) -> str:
     if base.startswith("layers."):
         _, i, rest = base.split(".", 2)
         return f"blk.{i}.{_NAMES[rest]}.{kind}"
-    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[base] + f".{kind}"
+    top = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "position_embd": "position_embd"}
+    return top[base] + f".{kind}"
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -94,22 +96,12 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     arch, permuted, pre = ARCHITECTURES[cfg["model_type"]]
     w = GGUFWriter(path, architecture or arch)
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    if cfg.get("head_dim"):  # as llama.cpp's converter: only where the config names it
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    w.add_vocab_size(cfg["vocab_size"])
-    if cfg["model_type"] == "phi3":
-        _add_phi3_rope(w, cfg)
+    if cfg["model_type"] == "gpt2":
+        tensors = _gpt2_tensors(w, cfg, tensors)
+        n_head = n_kv = cfg["n_head"]
+    else:
+        n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        _add_llama_metadata(w, cfg)
     _add_tokenizer(w, hf_dir, pre)
     if cfg.get("pad_token_id") is not None:  # gguf-py's SpecialVocab takes it from config.json
         w.add_pad_token_id(cfg["pad_token_id"])
@@ -138,6 +130,63 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_llama_metadata(w: GGUFWriter, cfg: dict) -> None:
+    """The Llama-like families' metadata, as llama.cpp's converter writes it."""
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    if cfg.get("head_dim"):  # as llama.cpp's converter: only where the config names it
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg["model_type"] == "phi3":
+        _add_phi3_rope(w, cfg)
+
+
+def _gpt2_tensors(w: GGUFWriter, cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's metadata as llama.cpp's converter writes it, and its tensors under Llama-style HF
+    names (gguf_name's): Conv1D weights transposed to [out, in], the LM head a copy of wte."""
+    w.add_context_length(cfg["n_positions"])
+    w.add_embedding_length(cfg["n_embd"])
+    w.add_feed_forward_length(cfg.get("n_inner") or 4 * cfg["n_embd"])
+    w.add_block_count(cfg["n_layer"])
+    w.add_head_count(cfg["n_head"])
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    out = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("transformer.")
+        if name.startswith("h."):
+            _, i, rest = name.split(".", 2)
+            base, _, kind = rest.rpartition(".")
+            if base in _GPT2_CONV1D and kind == "weight":
+                t = t.t()
+            out[f"layers.{i}.{_GPT2_NAMES[base]}.{kind}"] = t
+        elif not name.startswith("lm_head."):
+            out[_GPT2_TOP[name.partition(".")[0]] + "." + name.partition(".")[2]] = t
+    out["lm_head.weight"] = tensors["transformer.wte.weight"]
+    return out
+
+
+_GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# GPT-2 name -> the HF name gguf_name maps to llama.cpp's (c_fc: ffn_up, c_proj: ffn_down)
+_GPT2_NAMES = {
+    "ln_1": "input_layernorm",
+    "attn.c_attn": "self_attn.qkv_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "ln_2": "post_attention_layernorm",
+    "mlp.c_fc": "mlp.up_proj",
+    "mlp.c_proj": "mlp.down_proj",
+}
+_GPT2_TOP = {"wte": "embed_tokens", "wpe": "position_embd", "ln_f": "norm"}
 
 
 def _add_phi3_rope(w: GGUFWriter, cfg: dict) -> None:

@@ -101,6 +101,13 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
     vocab_size = m("vocab_size")
     if vocab_size is None:  # older GGUFs: vocab size is implied by the token list
         vocab_size = len(_meta(reader, "tokenizer.ggml.tokens"))
+    special = {
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if not arch.llama_like:
+        return _gpt2_config(reader, arch, int(vocab_size), values, special, tensor_names)
 
     rope_scaling = None
     scaling_type = m("rope.scaling.type")
@@ -129,9 +136,6 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
         # different model.
         raise ValueError("GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported")
 
-    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
-    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
-    pad = _meta(reader, "tokenizer.ggml.padding_token_id")
     # Legacy-style keys (rope_theta / rope_scaling / torch_dtype), as in the original Hub
     # config.json: understood by transformers 4.x and 5.x and easy for our own code to read.
     return {
@@ -147,9 +151,7 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
         **arch.config,
         # llama.cpp omits output.weight when lm_head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": pad,
+        **special,
         # The dequantized weights are float32 values, so that is the model's own dtype and what
         # dtype="auto" runs: rounding them to bf16 flips near-ties of a small model's logits (the
         # default model then misses "Paris"). --dtype bfloat16 trades that for speed.
@@ -158,19 +160,51 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
     }
 
 
+def _gpt2_config(
+    reader: GGUFReader,
+    arch: GGUFArchitecture,
+    vocab_size: int,
+    values: dict[str, Any],
+    special: dict[str, Any],
+    tensor_names: set[str],
+) -> dict[str, Any]:
+    """GPT-2's config.json. llama.cpp's converter writes the LM head as a copy of the embedding:
+    the head is tied where the two hold the same values."""
+    if values["n_inner"] == 4 * values["n_embd"]:  # GPT-2's own default, which its configs leave None
+        values["n_inner"] = None
+    by_name = {t.name: t for t in reader.tensors}
+    head, emb = by_name.get("output.weight"), by_name["token_embd.weight"]
+    tied = head is None or (head.tensor_type == emb.tensor_type and np.array_equal(head.data, emb.data))
+    return {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "vocab_size": vocab_size,
+        **values,
+        **arch.config,
+        "tie_word_embeddings": tied,
+        **special,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
 def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     arch = gguf_architecture(_meta(reader, "general.architecture"))
-    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    n_head = config.get("num_attention_heads")
+    n_kv = config.get("num_key_value_heads")
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in arch.config_tensors:  # read into config.json already
+            continue
+        if t.name == "output.weight" and config["tie_word_embeddings"]:  # a copy of token_embd
             continue
         # dequantize() returns numpy in torch order ([out, in]); GGUF's t.shape is ggml order
         # ([in, out]), hence the reversed reshape (a no-op safety net for already-shaped data).
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable.
-        w = np.require(arch.to_hf_rows(t.name, w, n_head, n_kv), np.float32, ["C", "W"])
+        w = arch.to_hf_layout(t.name, arch.to_hf_rows(t.name, w, n_head, n_kv))
+        w = np.require(w, np.float32, ["C", "W"])
         tensors[arch.hf_name(t.name)] = torch.from_numpy(w)
     return tensors
 

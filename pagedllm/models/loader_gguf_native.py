@@ -134,6 +134,21 @@ def _set_float_parameter(model: nn.Module, name: str, t: _Tensor, dtype: torch.d
     setattr(module, leaf, nn.Parameter(t.float_tensor(dtype), requires_grad=False))
 
 
+def runs_natively(gguf_path: str) -> bool:
+    """Whether the file's family loads in its quantized blocks (the Llama-like layers this loader
+    builds); an unsupported family answers True, so that loading it names the supported ones."""
+    index = read_gguf_index(gguf_path)
+    if index is None:
+        field = GGUFReader(gguf_path).fields.get("general.architecture")
+        name = None if field is None else field.contents()
+    else:
+        name = index.architecture
+    try:
+        return gguf_architecture(name, gguf_path).llama_like
+    except ValueError:
+        return True
+
+
 def load_gguf_model(
     gguf_path: str,
     hf_config,
@@ -154,6 +169,11 @@ def load_gguf_model(
         field = reader.fields.get("general.architecture")
         index = GGUFIndex(None if field is None else field.contents(), reader.tensors)
     arch = gguf_architecture(index.architecture, gguf_path)
+    if not arch.llama_like:
+        raise NotImplementedError(
+            f"{gguf_path}: {index.architecture} GGUF files do not run natively (quantization='gguf'); "
+            "quantization=None dequantizes them at load"
+        )
     file_tensors = index.tensors
     tensors = _read(file_tensors, arch, hf_config.num_attention_heads, hf_config.num_key_value_heads)
 
