@@ -11,6 +11,7 @@ checkpoint).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -33,6 +34,8 @@ _NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused q/k/v
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused [gate; up], under llama.cpp's up name
 }
 # model_type -> llama.cpp's general.architecture, whether its converter permutes q/k rows, and the
 # tokenizer.ggml.pre it writes for the family's BPE ("qwen2": Qwen's split regex)
@@ -40,6 +43,8 @@ ARCHITECTURES = {
     "llama": ("llama", True, "default"),
     "qwen2": ("qwen2", False, "qwen2"),
     "qwen3": ("qwen3", False, "qwen2"),
+    "phi3": ("phi3", False, "default"),
+    "gpt2": ("gpt2", False, "gpt-2"),
 }
 
 
@@ -48,7 +53,8 @@ def gguf_name(hf: str) -> str:
     if base.startswith("layers."):
         _, i, rest = base.split(".", 2)
         return f"blk.{i}.{_NAMES[rest]}.{kind}"
-    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[base] + f".{kind}"
+    top = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "position_embd": "position_embd"}
+    return top[base] + f".{kind}"
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -90,21 +96,15 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     arch, permuted, pre = ARCHITECTURES[cfg["model_type"]]
     w = GGUFWriter(path, architecture or arch)
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    if cfg.get("head_dim"):  # as llama.cpp's converter: only where the config names it
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    w.add_vocab_size(cfg["vocab_size"])
+    if cfg["model_type"] == "gpt2":
+        tensors = _gpt2_tensors(w, cfg, tensors)
+        n_head = n_kv = cfg["n_head"]
+    else:
+        n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        _add_llama_metadata(w, cfg)
     _add_tokenizer(w, hf_dir, pre)
+    if cfg.get("pad_token_id") is not None:  # gguf-py's SpecialVocab takes it from config.json
+        w.add_pad_token_id(cfg["pad_token_id"])
     for name, t in tensors.items():
         gname = gguf_name(name)
         a = t.float().numpy()
@@ -130,6 +130,81 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_llama_metadata(w: GGUFWriter, cfg: dict) -> None:
+    """The Llama-like families' metadata, as llama.cpp's converter writes it."""
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    if cfg.get("head_dim"):  # as llama.cpp's converter: only where the config names it
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg["model_type"] == "phi3":
+        _add_phi3_rope(w, cfg)
+
+
+def _gpt2_tensors(w: GGUFWriter, cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's metadata as llama.cpp's converter writes it, and its tensors under Llama-style HF
+    names (gguf_name's): Conv1D weights transposed to [out, in], the LM head a copy of wte."""
+    w.add_context_length(cfg["n_positions"])
+    w.add_embedding_length(cfg["n_embd"])
+    w.add_feed_forward_length(cfg.get("n_inner") or 4 * cfg["n_embd"])
+    w.add_block_count(cfg["n_layer"])
+    w.add_head_count(cfg["n_head"])
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    out = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("transformer.")
+        if name.startswith("h."):
+            _, i, rest = name.split(".", 2)
+            base, _, kind = rest.rpartition(".")
+            if base in _GPT2_CONV1D and kind == "weight":
+                t = t.t()
+            out[f"layers.{i}.{_GPT2_NAMES[base]}.{kind}"] = t
+        elif not name.startswith("lm_head."):
+            out[_GPT2_TOP[name.partition(".")[0]] + "." + name.partition(".")[2]] = t
+    out["lm_head.weight"] = tensors["transformer.wte.weight"]
+    return out
+
+
+_GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# GPT-2 name -> the HF name gguf_name maps to llama.cpp's (c_fc: ffn_up, c_proj: ffn_down)
+_GPT2_NAMES = {
+    "ln_1": "input_layernorm",
+    "attn.c_attn": "self_attn.qkv_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "ln_2": "post_attention_layernorm",
+    "mlp.c_fc": "mlp.up_proj",
+    "mlp.c_proj": "mlp.down_proj",
+}
+_GPT2_TOP = {"wte": "embed_tokens", "wpe": "position_embd", "ln_f": "norm"}
+
+
+def _add_phi3_rope(w: GGUFWriter, cfg: dict) -> None:
+    """What llama.cpp's Phi-3 converter writes of its RoPE: the rotary dims, the sliding window
+    (0: none), and for LongRoPE the original context, the attention factor it derives from the two
+    lengths and the factors as the tensors rope_factors_short / _long."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    orig = cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(orig)
+    scale = cfg["max_position_embeddings"] / orig
+    w.add_rope_scaling_attn_factors(1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig)))
+    for kind in ("long", "short"):
+        w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(w: GGUFWriter, hf_dir: str, pre: str) -> None:

@@ -261,8 +261,10 @@ def native_gguf_path(config: EngineConfig) -> str | None:
     if config.attention_backend != "auto":
         return None
     from pagedllm.kernels import load_cpu_kernels
+    from pagedllm.models.loader_gguf_native import runs_natively
 
-    return source if load_cpu_kernels() is not None else None
+    # a family the native loader does not build (GPT-2) dequantizes at load
+    return source if load_cpu_kernels() is not None and runs_natively(source) else None
 
 
 def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_block: int) -> int:

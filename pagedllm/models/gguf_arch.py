@@ -67,16 +67,30 @@ class GGUFArchitecture:
     global_tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_GLOBAL_TENSORS)
     metadata: Mapping[str, str] = field(default_factory=lambda: LLAMA_METADATA)
     config: Mapping[str, Any] = field(default_factory=dict)
+    # Tensors that hold config values, not weights (Phi-3's LongRoPE factors): the converter reads
+    # them into config.json, and neither loader makes a weight of them.
+    config_tensors: frozenset[str] = frozenset()
+    # GPT-2's checkpoint layout: layers under "transformer.h.N.", and the block kinds HF stores as
+    # Conv1D weights ([in, out]) that llama.cpp's converter transposed to [out, in]
+    layer_prefix: str = "model.layers"
+    conv1d: frozenset[str] = frozenset()
+    # Llama-like: the config gets the RoPE / RMSNorm / SiLU keys and the native loader runs it
+    llama_like: bool = True
 
     def hf_name(self, gguf_name: str) -> str:
         """The HF name of a tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
         base, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
         parts = base.split(".")
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in self.block_tensors:
-            return f"model.layers.{parts[1]}.{self.block_tensors[parts[2]]}.{kind}"
+            return f"{self.layer_prefix}.{parts[1]}.{self.block_tensors[parts[2]]}.{kind}"
         if base in self.global_tensors:
             return f"{self.global_tensors[base]}.{kind}"
         raise ValueError(f"Unsupported GGUF tensor {gguf_name!r} for a {self.hf_architecture} model")
+
+    def to_hf_layout(self, gguf_name: str, w: np.ndarray) -> np.ndarray:
+        """A dequantized tensor [out, in] in the HF checkpoint's layout (GPT-2's Conv1D: [in, out])."""
+        base, _, kind = gguf_name.rpartition(".")
+        return w.T if kind == "weight" and w.ndim == 2 and base.rpartition(".")[2] in self.conv1d else w
 
     def to_hf_rows(self, gguf_name: str, rows: np.ndarray, n_head: int, n_kv_head: int) -> np.ndarray:
         """``rows`` (a tensor's values or its quantized byte rows, [out, ...]) in HF's row order."""
@@ -117,6 +131,63 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 {**LLAMA_BLOCK_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
             ),
             config={"use_sliding_window": False},
+        ),
+        # LayerNorm decoder, learned positions, fused q/k/v; llama.cpp writes output as a copy of
+        # token_embd (tied); dequantized only (the native loader builds Llama-like layers)
+        "gpt2": GGUFArchitecture(
+            "GPT2LMHeadModel",
+            "gpt2",
+            rope_permuted=False,
+            block_tensors=MappingProxyType(
+                {
+                    "attn_norm": "ln_1",
+                    "attn_qkv": "attn.c_attn",
+                    "attn_output": "attn.c_proj",
+                    "ffn_norm": "ln_2",
+                    "ffn_up": "mlp.c_fc",
+                    "ffn_down": "mlp.c_proj",
+                }
+            ),
+            global_tensors=MappingProxyType(
+                {
+                    "token_embd": "transformer.wte",
+                    "position_embd": "transformer.wpe",
+                    "output_norm": "transformer.ln_f",
+                    "output": "lm_head",
+                }
+            ),
+            metadata=MappingProxyType(
+                {
+                    "n_positions": "context_length",
+                    "n_embd": "embedding_length",
+                    "n_layer": "block_count",
+                    "n_inner": "feed_forward_length",
+                    "n_head": "attention.head_count",
+                    "layer_norm_epsilon": "attention.layer_norm_epsilon",
+                }
+            ),
+            config={"activation_function": "gelu_new"},
+            layer_prefix="transformer.h",
+            conv1d=frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"}),
+            llama_like=False,
+        ),
+        # q/k/v and [gate; up] fused as in the HF checkpoints, NEOX RoPE; LongRoPE's factors as
+        # tensors (read into rope_scaling by loader_gguf)
+        "phi3": GGUFArchitecture(
+            "Phi3ForCausalLM",
+            "phi3",
+            rope_permuted=False,
+            block_tensors=MappingProxyType(
+                {
+                    "attn_qkv": "self_attn.qkv_proj",
+                    "attn_output": "self_attn.o_proj",
+                    "ffn_up": "mlp.gate_up_proj",
+                    "ffn_down": "mlp.down_proj",
+                    "attn_norm": "input_layernorm",
+                    "ffn_norm": "post_attention_layernorm",
+                }
+            ),
+            config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
         ),
     }
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -28,7 +29,7 @@ from pagedllm.models.gguf_arch import GGUFArchitecture, gguf_architecture
 logger = logging.getLogger(__name__)
 
 # Bump when the output format changes, so cached conversions get redone (used in resolve's cache key).
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -69,6 +70,28 @@ def _metadata_config(reader: GGUFReader, gguf_arch: str, arch: GGUFArchitecture)
     return values
 
 
+def _longrope_scaling(reader: GGUFReader, gguf_arch: str, values: dict[str, Any]) -> dict[str, Any]:
+    """HF's longrope rope_scaling from what llama.cpp's Phi-3 converter wrote: the factors as the
+    tensors rope_factors_short / _long, the original context in metadata."""
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    orig = _meta(reader, f"{gguf_arch}.rope.scaling.original_context_length")
+    if orig is None or set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise ValueError("GGUF LongRoPE needs rope_factors_long, rope_factors_short and the original context length")
+    scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig)}
+    for kind in ("short", "long"):
+        t = factors[f"rope_factors_{kind}.weight"]
+        scaling[f"{kind}_factor"] = dequantize(t.data, t.tensor_type).astype(np.float32).ravel().tolist()
+    # HF derives the attention factor from the two context lengths, as llama.cpp's converter did
+    # when it wrote it; a file whose factor differs (a fine-tune's own) keeps it explicitly
+    attn = _meta(reader, f"{gguf_arch}.rope.scaling.attn_factor")
+    ratio = values["max_position_embeddings"] / int(orig)
+    derived = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(int(orig)))
+    if attn is not None and not math.isclose(attn, derived, rel_tol=1e-6):
+        scaling["attention_factor"] = _f32_to_float(attn)
+    values["original_max_position_embeddings"] = int(orig)
+    return scaling
+
+
 def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) -> dict[str, Any]:
     def m(key: str, default: Any = None) -> Any:
         return _meta(reader, f"{gguf_arch}.{key}", default)
@@ -78,6 +101,13 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
     vocab_size = m("vocab_size")
     if vocab_size is None:  # older GGUFs: vocab size is implied by the token list
         vocab_size = len(_meta(reader, "tokenizer.ggml.tokens"))
+    special = {
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if not arch.llama_like:
+        return _gpt2_config(reader, arch, int(vocab_size), values, special, tensor_names)
 
     rope_scaling = None
     scaling_type = m("rope.scaling.type")
@@ -91,15 +121,21 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
         }
     elif scaling_type not in (None, "none"):
         raise ValueError(f"Unsupported GGUF rope scaling type {scaling_type!r}")
+    if "rope_factors_long.weight" in tensor_names:
+        rope_scaling = _longrope_scaling(reader, gguf_arch, values)
+    rope_dims = m("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != values["head_dim"]:  # Phi-4-mini: RoPE on part of a head
+        values["partial_rotary_factor"] = int(rope_dims) / values["head_dim"]
+        if rope_scaling is not None:
+            rope_scaling["partial_rotary_factor"] = values["partial_rotary_factor"]
+    if values.get("sliding_window") == 0:  # llama.cpp's converter writes 0 for "no window"
+        del values["sliding_window"]
     if "rope_freqs.weight" in tensor_names:
         # Llama-3.1 style scaling is stored by llama.cpp as precomputed frequencies; mapping it back
         # to HF's llama3 rope parameters is not implemented, and ignoring it would silently give a
         # different model.
         raise ValueError("GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported")
 
-    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
-    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
-    pad = _meta(reader, "tokenizer.ggml.padding_token_id")
     # Legacy-style keys (rope_theta / rope_scaling / torch_dtype), as in the original Hub
     # config.json: understood by transformers 4.x and 5.x and easy for our own code to read.
     return {
@@ -115,9 +151,7 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
         **arch.config,
         # llama.cpp omits output.weight when lm_head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": pad,
+        **special,
         # The dequantized weights are float32 values, so that is the model's own dtype and what
         # dtype="auto" runs: rounding them to bf16 flips near-ties of a small model's logits (the
         # default model then misses "Paris"). --dtype bfloat16 trades that for speed.
@@ -126,17 +160,51 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
     }
 
 
+def _gpt2_config(
+    reader: GGUFReader,
+    arch: GGUFArchitecture,
+    vocab_size: int,
+    values: dict[str, Any],
+    special: dict[str, Any],
+    tensor_names: set[str],
+) -> dict[str, Any]:
+    """GPT-2's config.json. llama.cpp's converter writes the LM head as a copy of the embedding:
+    the head is tied where the two hold the same values."""
+    if values["n_inner"] == 4 * values["n_embd"]:  # GPT-2's own default, which its configs leave None
+        values["n_inner"] = None
+    by_name = {t.name: t for t in reader.tensors}
+    head, emb = by_name.get("output.weight"), by_name["token_embd.weight"]
+    tied = head is None or (head.tensor_type == emb.tensor_type and np.array_equal(head.data, emb.data))
+    return {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "vocab_size": vocab_size,
+        **values,
+        **arch.config,
+        "tie_word_embeddings": tied,
+        **special,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
 def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     arch = gguf_architecture(_meta(reader, "general.architecture"))
-    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    n_head = config.get("num_attention_heads")
+    n_kv = config.get("num_key_value_heads")
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name in arch.config_tensors:  # read into config.json already
+            continue
+        if t.name == "output.weight" and config["tie_word_embeddings"]:  # a copy of token_embd
+            continue
         # dequantize() returns numpy in torch order ([out, in]); GGUF's t.shape is ggml order
         # ([in, out]), hence the reversed reshape (a no-op safety net for already-shaped data).
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable.
-        w = np.require(arch.to_hf_rows(t.name, w, n_head, n_kv), np.float32, ["C", "W"])
+        w = arch.to_hf_layout(t.name, arch.to_hf_rows(t.name, w, n_head, n_kv))
+        w = np.require(w, np.float32, ["C", "W"])
         tensors[arch.hf_name(t.name)] = torch.from_numpy(w)
     return tensors
 

@@ -58,6 +58,8 @@ def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) ->
     """``file_tensors``: gguf_tensors.GGUFTensor or GGUFReader's ReaderTensor (same fields)."""
     out: dict[str, _Tensor] = {}
     for t in file_tensors:
+        if t.name in arch.config_tensors:  # config values (in config.json), not weights
+            continue
         qtype = int(t.tensor_type)
         if qtype not in QUANTIZED_TYPES and t.tensor_type not in (
             GGMLQuantizationType.F32,
@@ -132,6 +134,21 @@ def _set_float_parameter(model: nn.Module, name: str, t: _Tensor, dtype: torch.d
     setattr(module, leaf, nn.Parameter(t.float_tensor(dtype), requires_grad=False))
 
 
+def runs_natively(gguf_path: str) -> bool:
+    """Whether the file's family loads in its quantized blocks (the Llama-like layers this loader
+    builds); an unsupported family answers True, so that loading it names the supported ones."""
+    index = read_gguf_index(gguf_path)
+    if index is None:
+        field = GGUFReader(gguf_path).fields.get("general.architecture")
+        name = None if field is None else field.contents()
+    else:
+        name = index.architecture
+    try:
+        return gguf_architecture(name, gguf_path).llama_like
+    except ValueError:
+        return True
+
+
 def load_gguf_model(
     gguf_path: str,
     hf_config,
@@ -152,6 +169,11 @@ def load_gguf_model(
         field = reader.fields.get("general.architecture")
         index = GGUFIndex(None if field is None else field.contents(), reader.tensors)
     arch = gguf_architecture(index.architecture, gguf_path)
+    if not arch.llama_like:
+        raise NotImplementedError(
+            f"{gguf_path}: {index.architecture} GGUF files do not run natively (quantization='gguf'); "
+            "quantization=None dequantizes them at load"
+        )
     file_tensors = index.tensors
     tensors = _read(file_tensors, arch, hf_config.num_attention_heads, hf_config.num_key_value_heads)
 
@@ -163,19 +185,29 @@ def load_gguf_model(
     def float_bias(name: str) -> torch.Tensor | None:
         return take(name).float_tensor(torch.float32) if name in tensors else None
 
+    # a model that runs its fused q/k/v rows in its own order (Phi-4-mini's partial RoPE): whole
+    # rows move, so the byte rows of quantized blocks take the same order exactly
+    qkv_order = model.qkv_row_order() if hasattr(model, "qkv_row_order") else None
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
+        if qkv_order is not None:
+            fused = tensors[p + "self_attn.qkv_proj.weight"]
+            fused.data = fused.data[qkv_order.numpy()]
+            bias = tensors.get(p + "self_attn.qkv_proj.bias")
+            if bias is not None:
+                bias.data = bias.data[qkv_order.numpy()]
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = [take(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")]
-        biases = [float_bias(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
+        # q/k/v and gate/up: one fused tensor (Phi-3) or separate ones (Llama-like), in that order
+        qkv_names = ("qkv_proj",) if p + "self_attn.qkv_proj.weight" in tensors else ("q_proj", "k_proj", "v_proj")
+        qkv = [take(p + f"self_attn.{n}.weight") for n in qkv_names]
+        biases = [float_bias(p + f"self_attn.{n}.bias") for n in qkv_names]
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
         attn.qkv_proj = _linear(qkv, qkv_bias, dtype, kernels)
         attn.o_proj = _linear(
             [take(p + "self_attn.o_proj.weight")], float_bias(p + "self_attn.o_proj.bias"), dtype, kernels
         )
-        mlp.gate_up_proj = _linear(
-            [take(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")], None, dtype, kernels
-        )
+        gate_up_names = ("gate_up_proj",) if p + "mlp.gate_up_proj.weight" in tensors else ("gate_proj", "up_proj")
+        mlp.gate_up_proj = _linear([take(p + f"mlp.{n}.weight") for n in gate_up_names], None, dtype, kernels)
         mlp.down_proj = _linear([take(p + "mlp.down_proj.weight")], None, dtype, kernels)
 
     emb = take("model.embed_tokens.weight")

@@ -124,18 +124,27 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             return None
         return b"longrope:long" if num_prompt_tokens > orig else b"longrope:short"
 
-    def load_hf_weights(self, tensors) -> None:
-        super().load_hf_weights(tensors)
+    def qkv_row_order(self) -> torch.Tensor | None:
+        """new_rows = old_rows[order] for the fused qkv weight (and bias): each q and k head's dims
+        in the permuted rotary layout, v as it is; None without partial RoPE. Whole rows move, so
+        the GGUF loader applies it to quantized byte rows exactly."""
         rot_dim = rotary_dim(self.config)
         if rot_dim == self.head_dim:
-            return
+            return None
         perm = rotary_permutation(self.head_dim, rot_dim)
         attn = self.layers[0].self_attn
-        q_and_k = slice(0, attn.q_size + attn.kv_size)  # the q heads, then the k heads: [heads, D, ...]
+        n_qk_heads = (attn.q_size + attn.kv_size) // self.head_dim  # the q heads, then the k heads
+        qk = (torch.arange(n_qk_heads).unsqueeze(1) * self.head_dim + perm).flatten()
+        return torch.cat((qk, torch.arange(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)))
+
+    def load_hf_weights(self, tensors) -> None:
+        super().load_hf_weights(tensors)
+        order = self.qkv_row_order()
+        if order is None:
+            return
         with torch.no_grad():
             for layer in self.layers:
                 qkv = layer.self_attn.qkv_proj
                 for p in (qkv.weight, qkv.bias):
                     if p is not None:
-                        heads = p[q_and_k].view(-1, self.head_dim, *p.shape[1:])
-                        heads.copy_(heads[:, perm.to(p.device)].clone())
+                        p.copy_(p[order.to(p.device)].clone())
