@@ -30,7 +30,9 @@ class CausalLM(Protocol):
     the attention kernels the runner put in ``meta`` serve every family alike.
 
     Optional, looked up with getattr: ``enable_cpu_kernels(kernels) -> bool`` (a fused CPU layer
-    path; absent: the layers run in PyTorch, attention still takes the compiled kernels).
+    path; absent: the layers run in PyTorch, attention still takes the compiled kernels);
+    ``prefix_cache_salt(num_prompt_tokens) -> bytes | None`` (what besides the tokens decides the
+    cached keys); ``uses_prompt_lens = True`` (the runner then fills ``meta.prompt_lens``).
     """
 
     layers: nn.ModuleList  # one per decoder layer: the KV cache has a (K, V) pair for each

@@ -113,6 +113,7 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     rope_class = Phi3RotaryEmbedding
+    uses_prompt_lens = True  # LongRoPE picks its rows by them (Phi3RotaryEmbedding.table_rows)
 
     def prefix_cache_salt(self, num_prompt_tokens: int) -> bytes | None:
         """What besides its tokens decides a sequence's cached keys (the engine's

@@ -54,6 +54,9 @@ class ModelRunner:
         """``kernels``: the compiled CPU kernels, or None for the PyTorch reference path.
         ``host_kv_caches``: the host-memory KV pool's tensors when preemption may swap."""
         self.model = model
+        # Each row's prompt length goes into the metadata only for a model that reads it (LongRoPE):
+        # for the others it would be per-step work on the hot path for nothing.
+        self.send_prompt_lens = bool(getattr(model, "uses_prompt_lens", False))
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches
         self.block_size = block_size
@@ -191,7 +194,8 @@ class ModelRunner:
             pos_t = torch.tensor(pos, dtype=torch.long)
             slot_parts.append(decode_bt.gather(1, (pos_t // bs).unsqueeze(1)).squeeze(1) * bs + pos_t % bs)
             pos_parts.append(pos_t)
-            prompt_len_parts.append(torch.tensor([s.num_prompt_tokens for s in decodes], dtype=torch.long))
+            if self.send_prompt_lens:
+                prompt_len_parts.append(torch.tensor([s.num_prompt_tokens for s in decodes], dtype=torch.long))
             decode_lens = (pos_t + 1).to(dev)
             decode_bt = decode_bt.to(dev)
             for i, s in enumerate(decodes):
@@ -211,7 +215,8 @@ class ModelRunner:
             prompt_run(s, q_start, start, n)
             p = torch.arange(start, end, dtype=torch.long)
             pos_parts.append(p)
-            prompt_len_parts.append(torch.full((n,), s.num_prompt_tokens, dtype=torch.long))
+            if self.send_prompt_lens:
+                prompt_len_parts.append(torch.full((n,), s.num_prompt_tokens, dtype=torch.long))
             slot_parts.append(row[p // bs] * bs + p % bs)
             mask = None
             if start > 0 and self.prefill_kernel is None:  # the kernel masks by positions itself
@@ -239,7 +244,7 @@ class ModelRunner:
             prefills=prefill_seqs,
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
-            prompt_lens=torch.cat(prompt_len_parts).to(dev),
+            prompt_lens=torch.cat(prompt_len_parts).to(dev) if self.send_prompt_lens else None,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts).to(dev)
