@@ -192,11 +192,15 @@ class PagedKVCacheManager(KVCacheManager):
         # fork that re-runs its last token.
         first_needed = seq.num_computed_tokens - self.release_window
         end = min(max(0, first_needed) // self.block_size, len(table))
-        released = [table[i] for i in range(end) if table[i] != NULL_BLOCK]
+        # Released entries are a prefix of the table: walk back from ``end`` to the last one
+        # released before, so a step costs the blocks it frees, not the whole released prefix.
+        start = end
+        while start > 0 and table[start - 1] != NULL_BLOCK:
+            start -= 1
+        released = table[start:end]
         if not released:
             return 0
-        for i in range(end):
-            table[i] = NULL_BLOCK
+        table[start:end] = [NULL_BLOCK] * len(released)
         self.pool.free(reversed(released))
         self.num_released_blocks += len(released)
         return len(released)
