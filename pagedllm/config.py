@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, fields
 
 from pagedllm.kv.contiguous import RESERVE_POLICIES
@@ -85,7 +86,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # How tensor-parallel ranks run (vLLM's name): None or "mp" (worker processes this engine
-    # starts); "uni" (one process) only with tensor_parallel_size=1; "ray" is not implemented yet.
+    # starts on this node); "ray" (Ray actors, on this node or a cluster's); "uni" (one process)
+    # only with tensor_parallel_size=1.
     distributed_executor_backend: str | None = None
     # Accepted, no effect: vLLM's switch to skip CUDA graph capture; pagedllm runs eagerly always.
     enforce_eager: bool = False
@@ -150,17 +152,15 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError(
-                "distributed_executor_backend='ray' is not supported yet: use 'mp' (worker processes on this node)."
-            )
-        if backend not in (None, "mp", "uni"):
-            raise ValueError(f"distributed_executor_backend must be None, 'mp' or 'uni', got {backend!r}.")
+        if backend not in (None, "mp", "ray", "uni"):
+            raise ValueError(f"distributed_executor_backend must be None, 'mp', 'ray' or 'uni', got {backend!r}.")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'")
         if tp == 1:
             return
         if backend == "uni":
             raise ValueError(
-                f"distributed_executor_backend='uni' runs one process: tensor_parallel_size={tp} needs 'mp'."
+                f"distributed_executor_backend='uni' runs one process: tensor_parallel_size={tp} needs 'mp' or 'ray'."
             )
         if self.device != "cpu":
             raise ValueError(f"tensor_parallel_size={tp} runs on the CPU only for now (gloo), not {self.device!r}.")

@@ -73,7 +73,13 @@ def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs
     """16-token steps chunk every long prompt; 24 blocks of 8 tokens cannot hold the batch, so
     sequences are preempted (recomputed, or swapped out of every rank's cache and back) and come
     back; shared prefixes hit the cache."""
-    model_dir = tiny_model_dirs[family]
+    check_tp2_under_pressure(tiny_model_dirs[family], preemption_mode)
+
+
+def check_tp2_under_pressure(model_dir: str, preemption_mode: str, **tp_kwargs) -> LLM:
+    """Greedy tokens and logprobs of _stress_prompts() at tensor_parallel_size=2 (``tp_kwargs``:
+    the executor's settings) equal TP=1's and HF's, in a KV cache that forces preemption, with
+    16-token prefill chunks and prefix-cache hits; the TP=2 LLM, shut down."""
     prompts = _stress_prompts()
     ref = hf_reference(model_dir, prompts)
     kwargs = dict(
@@ -87,7 +93,7 @@ def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs
         num_threads=1,
     )
     tp1 = _outputs(LLM(**kwargs), prompts)
-    llm = LLM(tensor_parallel_size=2, **kwargs)
+    llm = LLM(tensor_parallel_size=2, **tp_kwargs, **kwargs)
     try:
         tp2 = _outputs(llm, prompts)
         sched = llm.llm_engine.scheduler
@@ -100,6 +106,7 @@ def test_tp2_under_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs
     assert stats[0] > 0, "the KV cache was meant to be too small: no preemption happened"
     assert stats[1] > 0, "the shared prefixes were meant to hit the prefix cache"
     assert (swaps > 0) == (preemption_mode == "swap")
+    return llm
 
 
 def test_tp2_dequantizes_a_gguf_and_matches_tp1(tiny_llama, tmp_path):
@@ -190,7 +197,7 @@ def test_worker_killed_inside_a_step_is_an_error_not_a_hang(tiny_llama):
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "'ray' is not supported yet"),
+        (dict(tensor_parallel_size=2, distributed_executor_backend="spark"), "must be None, 'mp', 'ray' or 'uni'"),
         (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "needs 'mp'"),
         (dict(tensor_parallel_size=2, quantization="gguf"), "GGUF weights are not sharded"),
         (dict(tensor_parallel_size=2, device="cuda"), "CPU only"),

@@ -154,11 +154,15 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the thread after its current step; every unfinished stream raises EngineDeadError."""
+        """Stops the thread after its current step (every unfinished stream raises
+        EngineDeadError), then the engine's tensor-parallel workers (LLMEngine.shutdown)."""
         self._stop = True
         self._wake.set()
+        still_stepping = False
         if self._thread is not None:
             self._thread.join(timeout)
+            still_stepping = self._thread.is_alive()
+        self.engine.shutdown(graceful=not still_stepping)
 
     # ---- API for the event loop (any thread) --------------------------------------------
     def _submit(self, cmd: tuple) -> None:

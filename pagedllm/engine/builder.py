@@ -47,7 +47,7 @@ class EngineParts:
     num_swap_blocks: int
     kv_manager: KVCacheManager
     scheduler: Scheduler
-    runner: ModelRunner  # or a TensorParallelRunner (parallel/mp_executor.py): the same execute()
+    runner: ModelRunner  # or a TensorParallelRunner (parallel/worker.py): the same execute()
     kv_bytes_per_block: int  # this rank's (its KV heads only under tensor parallelism)
 
 
@@ -130,9 +130,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     t0 = time.perf_counter()
     executor = None
     if config.tensor_parallel_size > 1:
-        from pagedllm.parallel.mp_executor import MultiprocExecutor
-
-        executor = MultiprocExecutor.start(config)  # rank 0 is this process
+        executor = _start_executor(config)  # rank 0 is this process
     elif config.num_threads:
         torch.set_num_threads(config.num_threads)
     try:
@@ -157,6 +155,17 @@ def build_engine(config: EngineConfig) -> EngineParts:
         time.perf_counter() - t0,
     )
     return parts
+
+
+def _start_executor(config: EngineConfig):
+    """The tensor-parallel executor of ``distributed_executor_backend``, its workers started."""
+    if config.distributed_executor_backend == "ray":
+        from pagedllm.parallel.ray_executor import RayExecutor
+
+        return RayExecutor.start(config)
+    from pagedllm.parallel.mp_executor import MultiprocExecutor
+
+    return MultiprocExecutor.start(config)
 
 
 def _build_parts(config: EngineConfig, executor) -> EngineParts:

@@ -204,6 +204,16 @@ class LLMEngine:
             outputs.append(group.make_output())
         return outputs
 
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops the tensor-parallel workers (processes or Ray actors) and leaves their process
+        group; later steps raise TensorParallelWorkerError. Idempotent. A single-rank engine
+        holds nothing outside this process: nothing to stop, and it keeps working.
+        ``graceful=False``: a step may still be running on another thread; the workers are
+        killed rather than sent the stop message (which would interleave with that step's)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop(graceful)
+
     # ---- stats ---------------------------------------------------------------------------
     def get_stats(self) -> dict:
         kv = self.kv_manager.stats()

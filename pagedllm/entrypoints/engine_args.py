@@ -36,9 +36,12 @@ _HELP = {
     ),
     "skip_tokenizer_init": "no tokenizer: token-id prompts only, outputs carry token ids and empty text",
     "tokenizer_mode": "auto | slow",
-    "tensor_parallel_size": "ranks to shard the model over (worker processes on this node, CPU)",
+    "tensor_parallel_size": "ranks to shard the model over (CPU; see --distributed-executor-backend)",
     "pipeline_parallel_size": "only 1",
-    "distributed_executor_backend": "how tensor-parallel ranks run: mp (worker processes; the default)",
+    "distributed_executor_backend": (
+        "how tensor-parallel ranks run: mp (worker processes on this node; the default) | "
+        "ray (Ray actors of the cluster RAY_ADDRESS or `ray start` gives, else a local one)"
+    ),
     "enforce_eager": "accepted for vLLM's command lines; pagedllm always runs eagerly",
     "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
     "trust_remote_code": "accepted; pagedllm never runs code shipped with a checkpoint",

@@ -24,6 +24,11 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: object) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers this LLM started (LLMEngine.shutdown); they also stop
+        when the LLM is garbage-collected or the process exits."""
+        self.llm_engine.shutdown()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without SamplingParams: the model's generation_config defaults
         (per the generation_config engine argument), else SamplingParams()."""

@@ -9,6 +9,7 @@ runs on a group without a practical timeout.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -30,12 +31,16 @@ class TensorParallelGroup:
     step-time split of docs/scaling.md); two clock reads per collective.
     """
 
-    def __init__(self, rank: int, world_size: int, port: int) -> None:
+    def __init__(self, rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> None:
+        """``host``:``port``: the rendezvous (a TCP store rank 0 serves); 127.0.0.1 when every rank
+        runs on this node, the driver node's address when ranks run on others (the Ray executor).
+        Gloo's own connections use the interface GLOO_SOCKET_IFNAME names, else the one this
+        host's name resolves to."""
         self.rank, self.world_size = rank, world_size
         # The default group carries the step broadcast (no practical timeout: an idle engine).
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{host}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=max(IDLE_TIMEOUT, RENDEZVOUS_TIMEOUT),
@@ -72,3 +77,10 @@ class TensorParallelGroup:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for the rendezvous rank 0 serves ("" checks every interface)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

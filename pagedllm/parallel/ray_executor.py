@@ -1,0 +1,197 @@
+"""The "ray" executor: tensor-parallel ranks 1..N-1 as Ray actors, on this node or others.
+
+As vLLM does it: the ranks' CPUs are reserved by one placement group, a bundle of
+``{"CPU": threads}`` per rank, bundle 0 on the driver's node (rank 0 is the engine's own process,
+as with "mp"; its bundle keeps Ray from scheduling other work onto its CPUs). Strategy PACK (vLLM's
+too): the bundles go on as few nodes as hold them, so a model that fits one node communicates over
+loopback, and ranks spill onto other nodes only when this one is full. SPREAD would scatter the
+ranks even when one node holds them all (every collective a network hop); STRICT_PACK would refuse
+a model that needs more than one node.
+
+Connecting: a Ray already initialized in this process is used as it is; else ``ray.init()``,
+which joins the cluster RAY_ADDRESS names, or the one ``ray start --head`` started on this node,
+or starts a local one. The executor kills its actors and removes its placement group at shutdown;
+it disconnects from Ray only if it connected itself.
+
+A worker's death shows on the ObjectRef of its step loop (the actor's one long call): it becomes
+ready with RayActorError when the actor's process dies (killed, ray.kill, its node lost), and
+``ray.wait(..., timeout=0)`` checks that without blocking before every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import weakref
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.parallel.group import TensorParallelGroup, free_port
+from pagedllm.parallel.worker import TensorParallelExecutor, run_rank, threads_per_rank
+
+logger = logging.getLogger("pagedllm")
+
+# How long start-up waits for the cluster to grant the placement group (its CPUs may be held by
+# other work for a while); read at start so a deployment can change it.
+PLACEMENT_TIMEOUT_ENV = "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S"
+# How long start-up waits for each actor's process to start (import torch, answer its first call).
+ACTOR_START_TIMEOUT_S = 300.0
+
+
+def import_ray():
+    """The ray module, or an error saying how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from e
+    return ray
+
+
+class RankActor:
+    """One worker rank in a Ray actor's process (made a Ray actor class in RayExecutor.start)."""
+
+    def __init__(self, threads: int) -> None:
+        torch.set_num_threads(threads)  # the CPUs of this rank's bundle
+
+    def info(self) -> tuple[int, str]:
+        """(pid, node IP) of this actor's process."""
+        import ray
+
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    def run(self, config: EngineConfig, rank: int, port: int, host: str) -> None:
+        """The step loop; returns when the driver broadcasts the stop message."""
+        run_rank(config, rank, port, host)
+
+
+class RayExecutor(TensorParallelExecutor):
+    """The driver's side: the worker actors, their placement group and rank 0's process group."""
+
+    # Ray reports an actor dead once its raylet and the GCS have seen the process go: later than
+    # gloo sees the closed connection.
+    death_report_wait_s = 10.0
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallelGroup,
+        actors: list,
+        names: list[str],
+        infos: list[tuple[int, str]],
+        loops: list,
+        placement_group,
+        connected_here: bool,
+    ) -> None:
+        super().__init__(config, tp)
+        self.actors = actors
+        self.actor_names = names
+        self.worker_pids = [pid for pid, _ in infos]
+        self.worker_nodes = [ip for _, ip in infos]
+        self.loops = loops  # the ObjectRef of each worker's run(): ready only when it stops
+        self.placement_group = placement_group
+        self._finalizer = weakref.finalize(self, _release, actors, placement_group, tp, connected_here)
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> RayExecutor:
+        """Reserves the ranks' CPUs, starts ranks 1..N-1 as actors, joins the group as rank 0."""
+        import torch.distributed as dist
+
+        ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is already running in this process (its process group is "
+                "the default one): shut it down first (LLM.shutdown()) or run the other in its own process."
+            )
+        connected_here = not ray.is_initialized()
+        if connected_here:
+            ray.init()  # RAY_ADDRESS, else a `ray start` cluster on this node, else a new local one
+        world, threads = config.tensor_parallel_size, threads_per_rank(config)
+        driver_ip = ray.util.get_node_ip_address()
+        # vLLM's way to pin bundle 0 to the driver's node: a sliver of the node's own resource.
+        bundles = [{"CPU": threads, f"node:{driver_ip}": 0.001}] + [{"CPU": threads}] * (world - 1)
+        tag = f"pagedllm-tp-{uuid.uuid4().hex[:8]}"  # names this engine's group and actors
+        pg = placement_group(bundles, strategy="PACK", name=tag)
+        actors: list = []
+        try:
+            _wait_for_placement(ray, pg, bundles)
+            actor_cls = ray.remote(RankActor)
+            names = [f"{tag}-rank{r}" for r in range(1, world)]
+            for rank, name in zip(range(1, world), names, strict=True):
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+                actors.append(
+                    actor_cls.options(name=name, num_cpus=threads, scheduling_strategy=strategy).remote(threads)
+                )
+            infos = ray.get([a.info.remote() for a in actors], timeout=ACTOR_START_TIMEOUT_S)
+            # Ranks on other nodes reach the rendezvous at this node's address, not loopback.
+            port = free_port("")
+            loops = [a.run.remote(config, rank, port, driver_ip) for rank, a in enumerate(actors, start=1)]
+            torch.set_num_threads(threads)
+            tp = TensorParallelGroup(0, world, port, driver_ip)
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            remove_placement_group(pg)
+            if connected_here:
+                ray.shutdown()
+            raise
+        logger.info("pagedllm: tensor parallel x%d on Ray, workers (pid, node) %s", world, infos)
+        return cls(config, tp, actors, names, infos, loops, pg, connected_here)
+
+    def _dead_worker(self) -> str | None:
+        import ray
+
+        ready, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
+        for rank, ref in enumerate(self.loops, start=1):
+            if ref not in ready:
+                continue
+            i = rank - 1
+            where = f"Ray actor {self.actor_names[i]}, pid {self.worker_pids[i]} on {self.worker_nodes[i]}"
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                return f"tensor-parallel worker rank {rank} ({where}) died: {_first_line(e)}"
+            except Exception as e:
+                return f"tensor-parallel worker rank {rank} ({where}) failed: {_first_line(e)}"
+            return f"tensor-parallel worker rank {rank} ({where}) left its step loop"
+        return None
+
+    def _wait_workers_exit(self, timeout: float) -> None:
+        import ray
+
+        ray.wait(self.loops, num_returns=len(self.loops), timeout=timeout)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _wait_for_placement(ray, pg, bundles: list[dict]) -> None:
+    """Waits for the cluster to grant the placement group, or says what it lacks."""
+    timeout = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, "120"))
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        raise RuntimeError(
+            f"the Ray cluster did not grant the tensor-parallel placement group in {timeout:g}s "
+            f"({PLACEMENT_TIMEOUT_ENV}): it needs the bundles {bundles} (one per rank, the first on "
+            f"the driver's node), the cluster has {ray.cluster_resources()} of which "
+            f"{ray.available_resources()} are free. Lower num_threads, or add nodes."
+        )
+
+
+def _release(actors: list, pg, tp: TensorParallelGroup, connected_here: bool) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if ray.is_initialized():  # at interpreter exit Ray may be gone first, and its actors with it
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+    tp.destroy()
+    if connected_here:
+        ray.shutdown()
