@@ -250,3 +250,43 @@ def test_server_with_tp2_answers_then_turns_unhealthy_when_a_worker_dies(tiny_ll
         assert "worker rank 1" in srv.log_tail(1_000_000)
     finally:
         srv.stop()
+
+
+def test_a_worker_lost_before_the_rendezvous_fails_the_start_at_once():
+    """The driver waits for the workers to join in short slices: a worker known dead ends the wait
+    with its story, long before the rendezvous timeout (600 s)."""
+    from pagedllm.parallel.group import TensorParallelGroup, free_port
+
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            TensorParallelGroup(0, 2, free_port(), dead_worker=lambda: "worker rank 1 (pid 0) exited with code 1")
+        except BaseException as e:  # what the test checks
+            errors.append(e)
+        done.set()
+
+    threading.Thread(target=start, daemon=True).start()
+    assert done.wait(ERROR_WAIT_S), "the driver kept waiting for a dead worker"
+    assert isinstance(errors[0], TensorParallelWorkerError)
+    assert "rank 1" in str(errors[0]) and "before it joined" in str(errors[0])
+
+
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tiny_llama, tmp_path):
+    """Under "spawn" a worker imports the main module again: a script that starts an engine at
+    import kills its worker before the worker joins. The start fails, naming the cause."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(
+        "from pagedllm import LLM\n"
+        f"LLM(model={tiny_llama!r}, dtype='float32', tensor_parallel_size=2, num_threads=1, num_kv_blocks=32)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=ERROR_WAIT_S, cwd=tmp_path
+    )
+    assert proc.returncode != 0
+    assert "before it joined the tensor-parallel group" in proc.stderr
+    assert '__name__ == "__main__"' in proc.stderr

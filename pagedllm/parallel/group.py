@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -22,6 +23,12 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_COLLECT
 IDLE_TIMEOUT = timedelta(days=365)
 # Start-up: every rank imports torch and loads its shard before the first broadcast.
 RENDEZVOUS_TIMEOUT = timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_RENDEZVOUS_TIMEOUT_S", "600")))
+# How often the driver, waiting for the workers to join, checks that none of them died meanwhile.
+_JOIN_POLL = timedelta(seconds=0.25)
+
+
+class TensorParallelWorkerError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot step any more."""
 
 
 class TensorParallelGroup:
@@ -31,19 +38,24 @@ class TensorParallelGroup:
     step-time split of docs/scaling.md); two clock reads per collective.
     """
 
-    def __init__(self, rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        port: int,
+        host: str = "127.0.0.1",
+        dead_worker: Callable[[], str | None] | None = None,
+    ) -> None:
         """``host``:``port``: the rendezvous (a TCP store rank 0 serves); 127.0.0.1 when every rank
         runs on this node, the driver node's address when ranks run on others (the Ray executor).
         Gloo's own connections use the interface GLOO_SOCKET_IFNAME names, else the one this
-        host's name resolves to."""
+        host's name resolves to. ``dead_worker`` (rank 0): what happened to a worker that is gone,
+        or None; the driver checks it while it waits for the workers to join."""
         self.rank, self.world_size = rank, world_size
+        store = _rendezvous(rank, world_size, host, port, dead_worker)
         # The default group carries the step broadcast (no practical timeout: an idle engine).
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=max(IDLE_TIMEOUT, RENDEZVOUS_TIMEOUT),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=max(IDLE_TIMEOUT, RENDEZVOUS_TIMEOUT)
         )
         self.model_group = dist.new_group(list(range(world_size)), timeout=COLLECTIVE_TIMEOUT, backend="gloo")
         self.comm_seconds = 0.0
@@ -77,6 +89,35 @@ class TensorParallelGroup:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _rendezvous(
+    rank: int, world_size: int, host: str, port: int, dead_worker: Callable[[], str | None] | None
+) -> dist.TCPStore:
+    """The TCP store every rank joins through. Rank 0 serves it and waits for each worker's
+    "joined" key in short slices, checking ``dead_worker`` in between: a worker that dies before it
+    joins (a crash at import, a script that starts an engine at import under "spawn") fails the
+    start at once instead of after RENDEZVOUS_TIMEOUT."""
+    if rank != 0:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        store.set(f"pagedllm/joined/{rank}", "1")
+        return store
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    keys = [f"pagedllm/joined/{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while True:
+        try:
+            store.wait(keys, _JOIN_POLL)
+            return store
+        except dist.DistStoreError:  # not every worker has joined yet
+            dead = dead_worker() if dead_worker is not None else None
+            if dead is not None:
+                raise TensorParallelWorkerError(f"{dead} before it joined the tensor-parallel group") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel workers did not join within {RENDEZVOUS_TIMEOUT.total_seconds():g}s "
+                    "(PAGEDLLM_TP_RENDEZVOUS_TIMEOUT_S)"
+                ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

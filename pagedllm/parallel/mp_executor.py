@@ -65,7 +65,13 @@ class MultiprocExecutor(TensorParallelExecutor):
             procs.append(p)
         torch.set_num_threads(threads_per_rank(config))
         try:
-            tp = TensorParallelGroup(0, world, port)
+            tp = TensorParallelGroup(0, world, port, dead_worker=lambda: _dead_process(procs))
+        except TensorParallelWorkerError as e:
+            _stop_processes(procs)
+            raise TensorParallelWorkerError(
+                f"{e}: its stderr says why. Under the 'spawn' start method each worker imports the "
+                'main module again: a script must start engines under `if __name__ == "__main__":`.'
+            ) from None
         except BaseException:
             _stop_processes(procs)
             raise
@@ -73,14 +79,19 @@ class MultiprocExecutor(TensorParallelExecutor):
         return cls(config, procs, tp)
 
     def _dead_worker(self) -> str | None:
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-        return None
+        return _dead_process(self.procs)
 
     def _wait_workers_exit(self, timeout: float) -> None:
         for p in self.procs:
             p.join(timeout)
+
+
+def _dead_process(procs: list) -> str | None:
+    """The first worker process that has exited (rank 1 first), or None."""
+    for rank, p in enumerate(procs, start=1):
+        if not p.is_alive():
+            return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+    return None
 
 
 def _release(procs: list, tp: TensorParallelGroup) -> None:

@@ -131,7 +131,10 @@ class RayExecutor(TensorParallelExecutor):
             port = free_port("")
             loops = [a.run.remote(config, rank, port, driver_ip) for rank, a in enumerate(actors, start=1)]
             torch.set_num_threads(threads)
-            tp = TensorParallelGroup(0, world, port, driver_ip)
+            pids, nodes = [pid for pid, _ in infos], [ip for _, ip in infos]
+            tp = TensorParallelGroup(
+                0, world, port, driver_ip, dead_worker=lambda: _dead_loop(loops, names, pids, nodes)
+            )
         except BaseException:
             for a in actors:
                 ray.kill(a)
@@ -143,27 +146,32 @@ class RayExecutor(TensorParallelExecutor):
         return cls(config, tp, actors, names, infos, loops, pg, connected_here)
 
     def _dead_worker(self) -> str | None:
-        import ray
-
-        ready, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
-        for rank, ref in enumerate(self.loops, start=1):
-            if ref not in ready:
-                continue
-            i = rank - 1
-            where = f"Ray actor {self.actor_names[i]}, pid {self.worker_pids[i]} on {self.worker_nodes[i]}"
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as e:
-                return f"tensor-parallel worker rank {rank} ({where}) died: {_first_line(e)}"
-            except Exception as e:
-                return f"tensor-parallel worker rank {rank} ({where}) failed: {_first_line(e)}"
-            return f"tensor-parallel worker rank {rank} ({where}) left its step loop"
-        return None
+        return _dead_loop(self.loops, self.actor_names, self.worker_pids, self.worker_nodes)
 
     def _wait_workers_exit(self, timeout: float) -> None:
         import ray
 
         ray.wait(self.loops, num_returns=len(self.loops), timeout=timeout)
+
+
+def _dead_loop(loops: list, names: list[str], pids: list[int], nodes: list[str]) -> str | None:
+    """The first worker whose step loop (its run() call) has ended: died, failed or left; or None."""
+    import ray
+
+    ready, _ = ray.wait(loops, num_returns=len(loops), timeout=0)
+    for rank, ref in enumerate(loops, start=1):
+        if ref not in ready:
+            continue
+        i = rank - 1
+        where = f"Ray actor {names[i]}, pid {pids[i]} on {nodes[i]}"
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as e:
+            return f"tensor-parallel worker rank {rank} ({where}) died: {_first_line(e)}"
+        except Exception as e:
+            return f"tensor-parallel worker rank {rank} ({where}) failed: {_first_line(e)}"
+        return f"tensor-parallel worker rank {rank} ({where}) left its step loop"
+    return None
 
 
 def _first_line(e: BaseException) -> str:

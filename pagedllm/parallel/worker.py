@@ -24,17 +24,13 @@ import weakref
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.parallel.group import TensorParallelGroup
+from pagedllm.parallel.group import TensorParallelGroup, TensorParallelWorkerError
 from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagedllm")
 
 # How long a clean shutdown waits for the workers to leave their loops before killing them.
 JOIN_TIMEOUT_S = 10.0
-
-
-class TensorParallelWorkerError(RuntimeError):
-    """A tensor-parallel rank died or stopped answering: the engine cannot step any more."""
 
 
 def threads_per_rank(config: EngineConfig) -> int:
