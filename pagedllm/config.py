@@ -164,11 +164,6 @@ class EngineConfig:
             )
         if self.device != "cpu":
             raise ValueError(f"tensor_parallel_size={tp} runs on the CPU only for now (gloo), not {self.device!r}.")
-        if self.quantization == "gguf":
-            raise ValueError(
-                f"tensor_parallel_size={tp} with quantization='gguf' is not supported: GGUF weights are not "
-                "sharded in their quantized blocks yet (quantization=None dequantizes them at load)."
-            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

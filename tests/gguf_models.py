@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -257,3 +259,14 @@ def tiny_kquant_hf(out_dir: str) -> str:
     LlamaForCausalLM(cfg).save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer(out_dir)
     return out_dir
+
+
+@contextmanager
+def gguf_files_with_cache(root, files: dict[str, tuple[str, dict]]) -> Iterator[dict[str, str]]:
+    """Writes ``files`` (name -> (HF folder, formats)) as root/NAME.gguf; yields their paths with
+    PAGEDLLM_CACHE_DIR under root (the folders loading writes stay in the test's tmp dir)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(root / "cache"))
+        yield {name: write_gguf(hf, str(root / f"{name}.gguf"), formats) for name, (hf, formats) in files.items()}

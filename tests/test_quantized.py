@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from gguf_models import K_QUANTS, pack_k_quant, tiny_kquant_hf, write_gguf
+from gguf_models import K_QUANTS, gguf_files_with_cache, pack_k_quant, tiny_kquant_hf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import load_cpu_kernels
@@ -224,13 +224,10 @@ FILES = ("legacy", "kquant", "qwen2", "qwen3")
 def gguf_files(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gguf")
     kq = tiny_kquant_hf(str(root / "kquant_hf"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_CACHE_DIR", str(root / "cache"))
-        yield {
-            "legacy": write_gguf(tiny_model_dirs["llama"], str(root / "legacy.gguf"), LEGACY_FORMATS),
-            "kquant": write_gguf(kq, str(root / "kquant.gguf"), K_FORMATS),
-            **{fam: write_gguf(tiny_model_dirs[fam], str(root / f"{fam}.gguf"), LEGACY_FORMATS) for fam in FILES[2:]},
-        }
+    files = {"legacy": (tiny_model_dirs["llama"], LEGACY_FORMATS), "kquant": (kq, K_FORMATS)}
+    files |= {fam: (tiny_model_dirs[fam], LEGACY_FORMATS) for fam in FILES[2:]}
+    with gguf_files_with_cache(root, files) as paths:
+        yield paths
 
 
 @pytest.mark.parametrize("which", FILES)

@@ -110,14 +110,15 @@ def check_tp2_under_pressure(model_dir: str, preemption_mode: str, **tp_kwargs) 
 
 
 def test_tp2_dequantizes_a_gguf_and_matches_tp1(tiny_llama, tmp_path):
-    """quantization="auto" keeps GGUF blocks only where they are not sharded: under TP the weights
-    load dequantized, as quantization=None does at TP=1, with the same output."""
+    """quantization=None: a GGUF's weights load dequantized and shard as float, with TP=1's output
+    (its quantized blocks sharded: tests/test_tensor_parallel_quantized.py)."""
     from gguf_models import write_gguf
 
     path = write_gguf(tiny_llama, str(tmp_path / "tiny.gguf"), {})
     prompts = make_prompts(4)
-    tp1 = _outputs(LLM(model=path, dtype="float32", num_kv_blocks=64, quantization=None, num_threads=1), prompts)
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, num_threads=1)
+    kwargs = dict(model=path, dtype="float32", num_kv_blocks=64, quantization=None, num_threads=1)
+    tp1 = _outputs(LLM(**kwargs), prompts)
+    llm = LLM(tensor_parallel_size=2, **kwargs)
     try:
         _assert_same(_outputs(llm, prompts), tp1)
     finally:
@@ -199,7 +200,6 @@ def test_worker_killed_inside_a_step_is_an_error_not_a_hang(tiny_llama):
     [
         (dict(tensor_parallel_size=2, distributed_executor_backend="spark"), "must be None, 'mp', 'ray' or 'uni'"),
         (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "needs 'mp'"),
-        (dict(tensor_parallel_size=2, quantization="gguf"), "GGUF weights are not sharded"),
         (dict(tensor_parallel_size=2, device="cuda"), "CPU only"),
         (dict(tensor_parallel_size=0), "positive integer"),
     ],

@@ -71,11 +71,6 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
 
     device = torch.device(config.device)
     native_gguf = native_gguf_path(config)
-    if native_gguf is not None and tensor_parallel is not None:
-        raise ValueError(
-            "tensor parallelism does not shard GGUF weights in their quantized blocks yet: "
-            "quantization=None dequantizes them at load."
-        )
     model_path = resolve_model_path(config.model, weights=native_gguf is None, revision=config.revision)
     hf_config = load_hf_config(model_path)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len, config.disable_sliding_window)
@@ -94,7 +89,7 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
     if native_gguf is not None:
         from pagedllm.models.loader_gguf_native import load_gguf_model
 
-        model = load_gguf_model(native_gguf, hf_config, dtype, device, max_model_len, kernels)
+        model = load_gguf_model(native_gguf, hf_config, dtype, device, max_model_len, kernels, tensor_parallel)
     else:
         model = load_model(
             model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels, tensor_parallel=tensor_parallel
@@ -261,19 +256,24 @@ def native_gguf_path(config: EngineConfig) -> str | None:
         return source
     if config.quantization != "auto" or source is None or config.device != "cpu":
         return None
-    if config.tensor_parallel_size > 1:
-        # Quantized blocks are not sharded yet; dequantized float weights shard like any checkpoint.
-        return None
     # "auto" runs the blocks natively where the integer kernel runs. Without it (no compiler, or the
     # reference backend) each forward would dequantize every layer again: dequantizing once at
     # load is faster there.
     if config.attention_backend != "auto":
         return None
     from pagedllm.kernels import load_cpu_kernels
-    from pagedllm.models.loader_gguf_native import runs_natively
+    from pagedllm.models.loader_gguf_native import runs_natively, tensor_parallel_refusal
 
     # a family the native loader does not build (GPT-2) dequantizes at load
-    return source if load_cpu_kernels() is not None and runs_natively(source) else None
+    if load_cpu_kernels() is None or not runs_natively(source):
+        return None
+    if config.tensor_parallel_size > 1:
+        # "gguf" refuses such a file at load; "auto" runs it as it can: float weights shard anywhere
+        refusal = tensor_parallel_refusal(source, config.tensor_parallel_size)
+        if refusal is not None:
+            logger.warning("pagedllm: %s: the file loads dequantized to float", refusal)
+            return None
+    return source
 
 
 def _enable_swap(config: EngineConfig, kv_manager: KVCacheManager, bytes_per_block: int) -> int:

@@ -37,10 +37,15 @@ _FUSED |= {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2
 
 
 class _Tensor:
-    """One GGUF tensor in torch order: ``data`` [N, row_bytes] uint8 (quantized) or float [N, K] / [N]."""
+    """One GGUF tensor in torch order: ``data`` [N, row_bytes] uint8 (quantized) or float [N, K] / [N];
+    ``name``: the file's."""
 
-    def __init__(self, qtype: int, data: np.ndarray, k: int) -> None:
-        self.qtype, self.data, self.k = qtype, data, k
+    def __init__(self, name: str, qtype: int, data: np.ndarray, k: int) -> None:
+        self.name, self.qtype, self.data, self.k = name, qtype, data, k
+
+    @property
+    def numel(self) -> int:
+        return self.k if self.data.ndim == 1 else self.data.shape[0] * self.k
 
     @property
     def quantized(self) -> bool:
@@ -72,7 +77,7 @@ def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) ->
         if len(dims) == 2:
             data = data.reshape(dims[0], -1)
         data = arch.to_hf_rows(t.name, data, n_head, n_kv)  # whole rows: exact on the blocks' bytes
-        out[arch.hf_name(t.name)] = _Tensor(qtype, data, dims[-1])
+        out[arch.hf_name(t.name)] = _Tensor(t.name, qtype, data, dims[-1])
     return out
 
 
@@ -118,6 +123,37 @@ def _embedding_and_head(model: nn.Module, emb: _Tensor, head: _Tensor, dtype: to
         model.lm_head.weight = nn.Parameter(head.float_tensor(dtype), requires_grad=False)
 
 
+def _row_linear(t: _Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernels: CpuKernels | None, tp):
+    """o_proj / down_proj; under tensor parallelism row-parallel (its bias added once, after the
+    all-reduce of the ranks' partial products)."""
+    if tp is None:
+        return _linear([t], bias, dtype, kernels)
+    from pagedllm.parallel.layers import RowParallelLinear
+
+    return RowParallelLinear(_linear([t], None, dtype, kernels), None if bias is None else bias.to(dtype), tp)
+
+
+def _vocab_parallel(model: nn.Module, shard, tp) -> None:
+    """The embedding and head _embedding_and_head built over the shard's vocabulary rows, made
+    vocabulary-parallel (parallel/layers.py); the head's layer, quantized or not, runs as before."""
+    from pagedllm.parallel.layers import VocabParallelEmbedding, VocabParallelHead
+    from pagedllm.parallel.sharding import set_shard_sizes
+
+    emb = model.embed_tokens
+    if isinstance(emb, nn.Embedding):  # a float weight set on the full-vocabulary meta layer
+        emb = nn.Embedding.from_pretrained(emb.weight)
+    if model.packed_head is not None:  # a QuantizedLinear (tied: the embedding reads its blocks)
+        head = model.packed_head
+    else:
+        head = emb.weight if model.tie_word_embeddings else model.lm_head.weight
+    if hasattr(model, "lm_head"):
+        del model.lm_head  # compute_logits goes through the parallel head only
+    vocab = model.config.vocab_size
+    model.embed_tokens = VocabParallelEmbedding(emb, shard.vocab_start, vocab, tp)
+    model.packed_head = VocabParallelHead(head, shard.vocab_start, vocab, tp)
+    set_shard_sizes(model, shard, tp)
+
+
 def _set_float_parameter(model: nn.Module, name: str, t: _Tensor, dtype: torch.dtype, gguf_path: str) -> None:
     module_name, _, leaf = name.rpartition(".")
     try:
@@ -134,19 +170,37 @@ def _set_float_parameter(model: nn.Module, name: str, t: _Tensor, dtype: torch.d
     setattr(module, leaf, nn.Parameter(t.float_tensor(dtype), requires_grad=False))
 
 
+def _file_index(gguf_path: str) -> GGUFIndex:
+    index = read_gguf_index(gguf_path)
+    if index is None:  # a byte order or version gguf_tensors leaves to gguf-py
+        reader = GGUFReader(gguf_path)
+        field = reader.fields.get("general.architecture")
+        index = GGUFIndex(None if field is None else field.contents(), reader.tensors)
+    return index
+
+
 def runs_natively(gguf_path: str) -> bool:
     """Whether the file's family loads in its quantized blocks (the Llama-like layers this loader
     builds); an unsupported family answers True, so that loading it names the supported ones."""
-    index = read_gguf_index(gguf_path)
-    if index is None:
-        field = GGUFReader(gguf_path).fields.get("general.architecture")
-        name = None if field is None else field.contents()
-    else:
-        name = index.architecture
     try:
-        return gguf_architecture(name, gguf_path).llama_like
+        return gguf_architecture(_file_index(gguf_path).architecture, gguf_path).llama_like
     except ValueError:
         return True
+
+
+def tensor_parallel_refusal(gguf_path: str, world_size: int) -> str | None:
+    """Why the file's row-parallel weights (o_proj, down_proj) do not split over ``world_size``
+    ranks in whole quantization blocks, or None (parallel/gguf_sharding.py)."""
+    from pagedllm.parallel.gguf_sharding import ROW_PARALLEL, block_split_refusal
+
+    index = _file_index(gguf_path)
+    arch = gguf_architecture(index.architecture, gguf_path)
+    for t in index.tensors:
+        if t.name not in arch.config_tensors and arch.hf_name(t.name).endswith(ROW_PARALLEL):
+            refusal = block_split_refusal(t.name, int(t.tensor_type), int(t.shape[0]), world_size)
+            if refusal is not None:
+                return refusal
+    return None
 
 
 def load_gguf_model(
@@ -156,18 +210,17 @@ def load_gguf_model(
     device: torch.device,
     max_model_len: int,
     kernels: CpuKernels | None = None,
+    tensor_parallel=None,
 ) -> nn.Module:
-    """The model of ``gguf_path`` with quantized weights kept quantized; ``dtype``: activations."""
+    """The model of ``gguf_path`` with quantized weights kept quantized; ``dtype``: activations.
+    ``tensor_parallel``: this rank's TensorParallelGroup: the file's tensors are cut to its shard
+    in whole quantization blocks (parallel/gguf_sharding.py) before any layer is built."""
     if device.type != "cpu":
         raise ValueError("quantization='gguf' runs on the CPU only; use quantization=None to dequantize at load")
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, max_model_len)
-    index = read_gguf_index(gguf_path)
-    if index is None:  # a byte order or version gguf_tensors leaves to gguf-py
-        reader = GGUFReader(gguf_path)
-        field = reader.fields.get("general.architecture")
-        index = GGUFIndex(None if field is None else field.contents(), reader.tensors)
+    index = _file_index(gguf_path)
     arch = gguf_architecture(index.architecture, gguf_path)
     if not arch.llama_like:
         raise NotImplementedError(
@@ -176,6 +229,15 @@ def load_gguf_model(
         )
     file_tensors = index.tensors
     tensors = _read(file_tensors, arch, hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    # what the whole model holds (not one shard), for FLOP-per-token figures as load_model counts
+    file_params = sum(t.numel for t in tensors.values())
+    shard = None
+    if tensor_parallel is not None:
+        from pagedllm.parallel.gguf_sharding import shard_gguf_tensors
+        from pagedllm.parallel.sharding import llama_shard
+
+        shard = llama_shard(model, tensor_parallel)
+        shard_gguf_tensors(tensors, shard, len(model.layers), tensor_parallel.world_size)
 
     def take(name: str) -> _Tensor:
         if name not in tensors:
@@ -203,16 +265,17 @@ def load_gguf_model(
         biases = [float_bias(p + f"self_attn.{n}.bias") for n in qkv_names]
         qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
         attn.qkv_proj = _linear(qkv, qkv_bias, dtype, kernels)
-        attn.o_proj = _linear(
-            [take(p + "self_attn.o_proj.weight")], float_bias(p + "self_attn.o_proj.bias"), dtype, kernels
-        )
+        o_bias = float_bias(p + "self_attn.o_proj.bias")
+        attn.o_proj = _row_linear(take(p + "self_attn.o_proj.weight"), o_bias, dtype, kernels, tensor_parallel)
         gate_up_names = ("gate_up_proj",) if p + "mlp.gate_up_proj.weight" in tensors else ("gate_proj", "up_proj")
         mlp.gate_up_proj = _linear([take(p + f"mlp.{n}.weight") for n in gate_up_names], None, dtype, kernels)
-        mlp.down_proj = _linear([take(p + "mlp.down_proj.weight")], None, dtype, kernels)
+        mlp.down_proj = _row_linear(take(p + "mlp.down_proj.weight"), None, dtype, kernels, tensor_parallel)
 
     emb = take("model.embed_tokens.weight")
     head = emb if model.tie_word_embeddings else take("lm_head.weight")
     _embedding_and_head(model, emb, head, dtype, kernels)
+    if shard is not None:
+        _vocab_parallel(model, shard, tensor_parallel)
     # What is left are the float tensors of the family's norms (layer norms, the final norm,
     # Qwen3's per-head q/k norms ...): each goes to the model parameter of its HF name.
     for name, t in tensors.items():
@@ -234,6 +297,8 @@ def load_gguf_model(
             model.num_params += m.in_features * m.out_features + (0 if m.bias is None else m.bias.numel())
         elif isinstance(m, QuantizedEmbedding):
             model.num_params += m.qweight.shape[0] * m.dim
+    if shard is not None:
+        model.num_params = file_params
     # RoPE, the cache write, SiLU-and-mul and add + RMSNorm between the GEMMs: the fused kernels
     if kernels is not None:
         model.enable_cpu_kernels(kernels)

@@ -2,7 +2,8 @@
 whole (Megatron-LM's column / row / vocab parallelism).
 
 Column-parallel projections (fused qkv, gate/up) need no layer of their own: a plain nn.Linear
-holding the rank's rows of the weight, whose outputs the next row-parallel layer consumes locally.
+(or a QuantizedLinear of GGUF blocks) holding the rank's rows of the weight, whose outputs the
+next row-parallel layer consumes locally.
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ from pagedllm.parallel.group import TensorParallelGroup
 class RowParallelLinear(nn.Module):
     """y = x_r W_r^T summed over the ranks (one all-reduce), + bias once after the sum.
 
-    x_r: this rank's slice of the input features (the heads / intermediate columns it computed).
+    x_r: this rank's slice of the input features (the heads / intermediate columns it computed);
+    ``local``: the layer of W_r, bias-free (an nn.Linear, or a QuantizedLinear over whole
+    quantization blocks of the columns).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup) -> None:
+    def __init__(self, local: nn.Module, bias: torch.Tensor | None, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.local = local
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.local(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -47,20 +50,28 @@ def shard_rows(weight: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     return torch.cat([part, pad])
 
 
-class VocabParallelEmbedding(nn.Embedding):
-    """This rank's rows of the embedding; ids of other ranks' rows look up zeros, and the
-    all-reduce fills each row from the rank that holds it (exact: one term is non-zero)."""
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding (``local``: an nn.Embedding, or a QuantizedEmbedding of
+    GGUF blocks); ids of other ranks' rows look up zeros, and the all-reduce fills each row from
+    the rank that holds it (exact: one term is non-zero)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TensorParallelGroup) -> None:
-        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
+    def __init__(self, local: nn.Module, vocab_start: int, vocab_size: int, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.local = local
+        rows = local.num_embeddings if isinstance(local, nn.Embedding) else local.qweight.shape[0]
         self.vocab_start = vocab_start
-        self.vocab_end = min(vocab_start + weight.shape[0], vocab_size)
+        self.vocab_end = min(vocab_start + rows, vocab_size)
         self.tp = tp
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Of the output (the model's activation dtype, LlamaForCausalLM.activation_dtype)."""
+        return self.local.weight.dtype if isinstance(self.local, nn.Embedding) else self.local.dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        x = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        x = self.local(local).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(x)
 
 
@@ -69,15 +80,22 @@ class VocabParallelHead(nn.Module):
     (an all-gather); ``argmax``: greedy tokens from each rank's best (value, index) only, the
     [rows, vocab] logits never gathered. Ties go to the lowest vocabulary index, as torch.argmax."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, vocab_size: int, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, local: torch.Tensor | nn.Module, vocab_start: int, vocab_size: int, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.weight = weight  # may be the embedding's shard (tied): shared, not copied
+        # a float weight (may be the embedding's shard, tied: shared, not copied), or a layer over
+        # the rows (QuantizedLinear of GGUF blocks)
+        self.local = local
+        rows = local.shape[0] if isinstance(local, torch.Tensor) else local.out_features
         self.vocab_start, self.vocab_size = vocab_start, vocab_size
-        self.num_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))  # padding rows excluded
+        self.num_valid = max(0, min(rows, vocab_size - vocab_start))  # padding rows excluded
         self.tp = tp
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        if isinstance(self.local, torch.Tensor):
+            return F.linear(hidden, self.local)
+        return self.local(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         parts = self.tp.all_gather(self._local_logits(hidden))
