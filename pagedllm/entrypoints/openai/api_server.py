@@ -446,7 +446,7 @@ def build_app(
         except EngineDeadError as e:
             raise APIError("The engine is not running.", 503) from e
 
-    add_kv_view_routes(app, kv_blocks, {**_AUTH_ERRORS, **_ENGINE_ERRORS})
+    add_kv_view_routes(app, kv_blocks, {400: _err("No such data-parallel replica."), **_AUTH_ERRORS, **_ENGINE_ERRORS})
 
     @app.get(
         "/metrics",
