@@ -33,6 +33,10 @@ class EngineReplica:
         self.index = index
         self.engine = AsyncLLMEngine.from_config(config)
         self.engine.max_step_failures = max_step_failures
+        # A replica whose engine thread died would refuse every request it is sent; ending the
+        # process makes it an actor death, which the front end already routes around (as the
+        # single-engine server exits when its engine thread dies).
+        self.engine.on_dead = lambda error: os._exit(1)
         self.engine.start()
         self._streams: dict[str, RequestStream] = {}
         self._adding: set[str] = set()  # ids whose add_request is in progress
