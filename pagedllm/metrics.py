@@ -11,7 +11,8 @@ Three sources:
 * engine state (running/waiting requests, KV usage, counters, tokens per step) comes from
   LLMEngine.get_stats(), snapshotted by the engine thread and pushed here with
   ``update_engine_stats`` right before a scrape; a custom collector exposes it, so counters keep
-  the engine's own cumulative values;
+  the engine's own cumulative values. With data-parallel replicas (``update_replica_stats``) each
+  replica's series carries a ``replica`` label, next to the router's counters per replica;
 * per-request latencies and token counts are observed by ``observe_output``, called in the
   engine thread for every output (prometheus-client's metric objects are thread-safe);
 * request parameters (n, max_tokens) by ``observe_params`` as a request is added.
@@ -137,36 +138,70 @@ _COUNTERS = [
 ]
 
 
+# Data parallel only: (metric name without prefix, key in a replica's /stats entry, help), per replica.
+_ROUTER_COUNTERS = [
+    ("router_requests_routed", "router_requests_routed", "Requests the router sent to this replica."),
+    (
+        "router_prefix_matched_tokens",
+        "router_prefix_matched_tokens",
+        "Prompt tokens of the requests sent to this replica that the router's record of its prefix cache matched.",
+    ),
+]
+
+
 class _EngineStatsCollector(Collector):
     def __init__(self, owner: ServerMetrics) -> None:
         self.owner = owner
 
     def collect(self) -> Iterator[Metric]:
         owner = self.owner
-        stats = owner.engine_stats
-        labels = ["model_name"]
-        values = [owner.model_name]
+        replicas = owner.replica_stats
+        if replicas is None:  # one engine: the model_name label only
+            series = [([owner.model_name], owner.engine_stats)]
+            labels = ["model_name"]
+        else:
+            series = [([owner.model_name, str(r["replica"])], r) for r in replicas if r.get("alive")]
+            labels = ["model_name", "replica"]
         for name, key, doc in _GAUGES:
             g = GaugeMetricFamily(owner.prefix + name, doc, labels=labels)
-            g.add_metric(values, float(stats.get(key, 0) or 0))
+            for values, stats in series:
+                g.add_metric(values, float(stats.get(key, 0) or 0))
             yield g
         for name, key, doc in _COUNTERS:
             c = CounterMetricFamily(owner.prefix + name, doc, labels=labels)
-            c.add_metric(values, float(stats.get(key, 0) or 0))
+            for values, stats in series:
+                c.add_metric(values, float(stats.get(key, 0) or 0))
             yield c
         h = HistogramMetricFamily(
             owner.prefix + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=labels
         )
-        per_step = stats.get("iteration_tokens") or {}
-        buckets = [(str(b), sum(c for n, c in per_step.items() if n <= b)) for b in ITERATION_TOKENS_BUCKETS]
-        buckets.append(("+Inf", sum(per_step.values())))
-        h.add_metric(values, buckets, sum_value=float(sum(n * c for n, c in per_step.items())))
+        for values, stats in series:
+            per_step = stats.get("iteration_tokens") or {}
+            buckets = [(str(b), sum(c for n, c in per_step.items() if n <= b)) for b in ITERATION_TOKENS_BUCKETS]
+            buckets.append(("+Inf", sum(per_step.values())))
+            h.add_metric(values, buckets, sum_value=float(sum(n * c for n, c in per_step.items())))
         yield h
+        if replicas is not None:
+            yield from self._replica_metrics(replicas)
         if owner.cache_config:
             name = owner.prefix + "cache_config_info"
             info = GaugeMetricFamily(name, "Information of the LLMEngine CacheConfig", labels=list(owner.cache_config))
             info.add_metric(list(owner.cache_config.values()), 1.0)
             yield info
+
+    def _replica_metrics(self, replicas: list[dict]) -> Iterator[Metric]:
+        """Every replica's liveness and router counters, dead ones included (their counts stay)."""
+        owner = self.owner
+        labels = ["model_name", "replica"]
+        up = GaugeMetricFamily(owner.prefix + "replica_up", "1 while this data-parallel replica runs.", labels=labels)
+        for r in replicas:
+            up.add_metric([owner.model_name, str(r["replica"])], 1.0 if r.get("alive") else 0.0)
+        yield up
+        for name, key, doc in _ROUTER_COUNTERS:
+            c = CounterMetricFamily(owner.prefix + name, doc, labels=labels)
+            for r in replicas:
+                c.add_metric([owner.model_name, str(r["replica"])], float(r.get(key, 0)))
+            yield c
 
 
 class ServerMetrics:
@@ -191,6 +226,7 @@ class ServerMetrics:
         self.prefix = prefix + ":"
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine_stats: dict = {}
+        self.replica_stats: list[dict] | None = None  # data parallel: each replica's stats
         self.cache_config = dict(cache_config or {})
         labels = ["model_name"]
 
@@ -252,6 +288,10 @@ class ServerMetrics:
 
     def update_engine_stats(self, stats: dict) -> None:
         self.engine_stats = dict(stats)
+
+    def update_replica_stats(self, replicas: list[dict]) -> None:
+        """Data parallel: each replica's /stats entry (``replica``, ``alive``, router counters)."""
+        self.replica_stats = [dict(r) for r in replicas]
 
     def observe_params(self, n: int, max_tokens: int) -> None:
         """One engine request's parameters, as it is added (max_tokens as resolved: the request's

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -120,10 +121,12 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """An LLMEngine driven by a background thread, with asyncio streams per request."""
+    """An LLMEngine driven by a background thread, with asyncio streams per request (an EngineClient)."""
 
     def __init__(self, engine: LLMEngine, output_hook: OutputHook | None = None) -> None:
         self.engine = engine
+        self.facts = ModelFacts.of(engine)
+        self.tokenizer = engine.tokenizer
         self.output_hook = output_hook
         self._commands: collections.deque[tuple] = collections.deque()  # append/popleft are atomic
         self._wake = threading.Event()
@@ -204,12 +207,30 @@ class AsyncLLMEngine:
             self._wake.set()
 
     async def get_stats(self) -> dict:
-        """LLMEngine.get_stats(), computed by the engine thread between steps (a consistent snapshot)."""
-        return await self._query(self.engine.get_stats)
+        """LLMEngine.get_stats(), computed by the engine thread between steps (a consistent snapshot),
+        with this thread's step-failure counters."""
+        stats = await self._query(self.engine.get_stats)
+        return {
+            **stats,
+            "num_step_errors": self.num_step_errors,
+            "consecutive_step_failures": self.consecutive_step_failures,
+        }
 
-    async def get_kv_blocks(self) -> dict:
-        """LLMEngine.get_kv_blocks(), taken by the engine thread between steps (a consistent snapshot)."""
+    async def get_kv_blocks(self, replica: int | None = None) -> dict:
+        """LLMEngine.get_kv_blocks(), taken by the engine thread between steps (a consistent snapshot).
+
+        ``replica``: only None or 0 (one engine; the EngineClient signature of data parallelism)."""
+        if replica not in (None, 0):
+            raise ValueError(f"replica={replica}: this server runs one engine (replica 0).")
         return await self._query(self.engine.get_kv_blocks)
+
+    async def health_problem(self) -> str | None:
+        """None while the thread runs and its steps succeed; else what /health reports."""
+        if not self.is_running:
+            return "The engine is not running."
+        if self.consecutive_step_failures >= self.max_step_failures:
+            return f"The engine's last {self.consecutive_step_failures} steps failed."
+        return None
 
     async def _query(self, read: Callable[[], dict]) -> dict:
         loop = asyncio.get_running_loop()

@@ -31,8 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.builder import tokenizer_path
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.client import EngineClient
 from pagedllm.entrypoints.openai.kv_view import add_kv_view_routes
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -326,23 +325,8 @@ def _openapi_without_422(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def cache_config_info(llm: LLMEngine) -> dict[str, str]:
-    """The labels of the cache_config_info metric, vLLM's names for the KV cache's configuration."""
-    config = llm.config
-    return {
-        "block_size": str(config.block_size),
-        "cache_dtype": config.kv_cache_dtype,
-        "enable_prefix_caching": str(config.enable_prefix_caching),
-        "gpu_memory_utilization": str(config.gpu_memory_utilization),
-        "num_cpu_blocks": str(llm.num_swap_blocks),
-        "num_gpu_blocks": str(llm.num_kv_blocks),
-        "num_gpu_blocks_override": str(config.num_kv_blocks),
-        "swap_space": str(config.swap_space_gib),
-    }
-
-
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_names: list[str],
     metrics: ServerMetrics | None = None,
     api_key: str | list[str] | None = None,
@@ -354,23 +338,24 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
-    """The FastAPI app around a (not yet started) AsyncLLMEngine; the app's lifespan runs the engine.
+    """The FastAPI app around a (not yet started) engine client (an AsyncLLMEngine, or the
+    data-parallel replicas' client); the app's lifespan runs the engine.
 
     ``show_model_path``: /v1/models gives the model's folder as ``root`` (by default the served
     name: a local path tells clients about the server's file system). ``tool_call_parser`` /
     ``enable_auto_tool_choice``: how tool_choice "auto" reads calls from the model's text
     (tool_parsers.py)."""
-    llm = engine.engine
-    metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=llm.max_model_len)
+    facts = engine.facts
+    metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=facts.max_model_len)
     if not metrics.cache_config:
-        metrics.cache_config = cache_config_info(llm)
+        metrics.cache_config = dict(facts.cache_config)
     if engine.output_hook is None:  # latencies and token counts per output (run_server sets it first)
         engine.output_hook = metrics.observe_output
-    tok_path = tokenizer_path(llm.config, llm.model_path)
+    tok_path = facts.tokenizer_path
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
     # One tokenizer for the engine thread, the tokenizer pool and the event loop where that is safe
     # (each instance holds ~10 MB); else the pool and the event loop get their own.
-    tok = llm.tokenizer
+    tok = engine.tokenizer
     if tok is None:
         raise ValueError("The server needs the tokenizer: skip_tokenizer_init is for the offline LLM only.")
     if shareable_across_threads(tok):
@@ -386,7 +371,7 @@ def build_app(
     chat.enable_auto_tools = enable_auto_tool_choice
     tokenization = OpenAIServingTokenization(chat)
     completions.on_request_params = chat.on_request_params = metrics.observe_params
-    model_root = llm.model_path if show_model_path else served_model_names[0]
+    model_root = facts.model_path if show_model_path else served_model_names[0]
     started = int(time.time())
 
     @asynccontextmanager
@@ -440,11 +425,9 @@ def build_app(
         },
     )
     async def health() -> Response:
-        if not engine.is_running:
-            return ErrorResponse(APIError("The engine is not running.", 503).to_dict(), status_code=503)
-        if engine.consecutive_step_failures >= engine.max_step_failures:
-            msg = f"The engine's last {engine.consecutive_step_failures} steps failed."
-            return ErrorResponse(APIError(msg, 503).to_dict(), status_code=503)
+        problem = await engine.health_problem()
+        if problem is not None:
+            return ErrorResponse(APIError(problem, 503).to_dict(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version", responses=_AUTH_ERRORS)
@@ -453,19 +436,17 @@ def build_app(
 
     @app.get("/stats", responses={**_AUTH_ERRORS, **_ENGINE_ERRORS})
     async def stats() -> dict:
-        return {
-            **await engine_stats(),
-            "num_step_errors": engine.num_step_errors,
-            "consecutive_step_failures": engine.consecutive_step_failures,
-        }
+        return await engine_stats()  # with the step-failure counters (per replica under data parallelism)
 
-    async def kv_blocks() -> dict:
+    async def kv_blocks(replica: int | None) -> dict:
         try:
-            return await engine.get_kv_blocks()
+            return await engine.get_kv_blocks(replica)
+        except ValueError as e:  # no such replica
+            raise APIError(str(e), 400, param="replica") from e
         except EngineDeadError as e:
             raise APIError("The engine is not running.", 503) from e
 
-    add_kv_view_routes(app, kv_blocks, {**_AUTH_ERRORS, **_ENGINE_ERRORS})
+    add_kv_view_routes(app, kv_blocks, {400: _err("No such data-parallel replica."), **_AUTH_ERRORS, **_ENGINE_ERRORS})
 
     @app.get(
         "/metrics",
@@ -477,7 +458,11 @@ def build_app(
         },
     )
     async def prometheus_metrics() -> Response:
-        metrics.update_engine_stats(await engine_stats())
+        stats = await engine_stats()
+        if "replicas" in stats:  # data parallel: one series per replica
+            metrics.update_replica_stats(stats["replicas"])
+        else:
+            metrics.update_engine_stats(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=_AUTH_ERRORS)
@@ -492,7 +477,7 @@ def build_app(
                     "owned_by": "pagedllm",
                     "root": model_root,
                     "parent": None,
-                    "max_model_len": llm.max_model_len,
+                    "max_model_len": facts.max_model_len,
                 }
                 for name in served_model_names
             ],
@@ -540,11 +525,20 @@ def run_server(args: argparse.Namespace) -> int:
     if allowed_hosts is None and loopback and not api_keys:
         # Nothing else guards a keyless loopback server from a browser page's DNS rebinding.
         allowed_hosts = [*LOOPBACK_HOSTS, args.host]
-    engine = AsyncLLMEngine.from_config(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    engine: EngineClient
+    if args.data_parallel_size != 1:
+        from pagedllm.data_parallel.client import DataParallelClient
+
+        engine = DataParallelClient.launch(
+            config, args.data_parallel_size, args.data_parallel_routing, args.max_step_failures
+        )
+    else:  # one engine in this process: no Ray in the way
+        engine = AsyncLLMEngine.from_config(config)
+        engine.max_step_failures = args.max_step_failures
     # Built after the engine: its token-count histograms' buckets end at the model's context.
-    metrics = ServerMetrics(names[0], prefix=args.metrics_prefix, max_model_len=engine.engine.max_model_len)
+    metrics = ServerMetrics(names[0], prefix=args.metrics_prefix, max_model_len=engine.facts.max_model_len)
     engine.output_hook = metrics.observe_output
-    engine.max_step_failures = args.max_step_failures
     limits = ServerLimits(
         max_prompts_per_request=args.max_prompts_per_request,
         max_seqs_per_request=args.max_seqs_per_request,
@@ -593,7 +587,7 @@ def run_server(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     engine.on_dead = on_dead
-    if engine.engine.device.type == "cpu":
+    if engine.facts.device_type == "cpu":
         release_freed_heap()  # what building the app left behind; the engine trimmed its own load
     server.run()
     return 1 if died else 0

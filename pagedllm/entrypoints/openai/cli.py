@@ -43,6 +43,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "loopback without an API key, against DNS rebinding; else any)",
     )
     p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas behind this server, each a Ray actor with its own KV cache (on this node, "
+        "or across a Ray cluster's nodes with RAY_ADDRESS set); default 1: one engine in this process",
+    )
+    p.add_argument(
+        "--data-parallel-routing",
+        choices=["prefix", "round_robin"],
+        default="prefix",
+        help="prefix: to the replica whose prefix cache likely holds the longest part of the prompt, "
+        "balanced by load; round_robin: in turn (default: prefix)",
+    )
+    p.add_argument(
         "--max-step-failures",
         type=int,
         default=3,

@@ -47,8 +47,9 @@ def load_page() -> tuple[str, dict[str, str]]:
     return html, headers
 
 
-def add_kv_view_routes(app: FastAPI, snapshot: Callable[[], Awaitable[dict]], responses: dict) -> None:
-    """``snapshot``: the engine's KV blocks (AsyncLLMEngine.get_kv_blocks, errors already mapped)."""
+def add_kv_view_routes(app: FastAPI, snapshot: Callable[[int | None], Awaitable[dict]], responses: dict) -> None:
+    """``snapshot``: the engine's KV blocks (EngineClient.get_kv_blocks, errors already mapped), of
+    one data-parallel replica (None: the first)."""
     html, headers = load_page()
 
     @app.get(PAGE_PATH, response_class=HTMLResponse, include_in_schema=False)
@@ -56,7 +57,8 @@ def add_kv_view_routes(app: FastAPI, snapshot: Callable[[], Awaitable[dict]], re
         return HTMLResponse(html, headers=headers)
 
     @app.get(PAGE_PATH + "/blocks", responses=responses)
-    async def kv_blocks() -> JSONResponse:
+    async def kv_blocks(replica: int | None = None) -> JSONResponse:
         """Every KV block's state (base64, one byte a block: see state_names), the shared blocks'
-        refcounts, each sequence's block table, and /stats of the same moment."""
-        return JSONResponse(await snapshot(), headers={"Cache-Control": "no-store"})
+        refcounts, each sequence's block table, and /stats of the same moment. ``replica``: whose
+        KV cache with data parallelism (default 0)."""
+        return JSONResponse(await snapshot(replica), headers={"Cache-Control": "no-store"})

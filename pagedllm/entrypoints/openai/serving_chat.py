@@ -11,7 +11,8 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -231,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
         req: ChatCompletionRequest,
         request_id: str,
         model: str,
-        streams: list[RequestStream],
+        streams: list[OutputStream],
         prompt: dict,
         n: int,
         plan: ToolPlan | None = None,

@@ -16,7 +16,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
 from pagedllm.entrypoints.openai.protocol import APIError, CompletionRequest, to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -155,7 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
         req: CompletionRequest,
         request_id: str,
         model: str,
-        streams: list[RequestStream],
+        streams: list[OutputStream],
         prompts: list[dict],
         n: int,
         top: int,

@@ -16,7 +16,8 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.client import EngineClient, OutputStream
 from pagedllm.entrypoints.openai.protocol import (
     _FIELDS,
     APIError,
@@ -39,7 +40,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         served_model_names: list[str],
         tokenizer: Any,
         decode_tokenizer: Any,
@@ -54,17 +55,17 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.decode_tokenizer = decode_tokenizer
         self.pool = tokenizer_pool
-        self.max_model_len: int = engine.engine.max_model_len
-        self.vocab_size: int = engine.engine.vocab_size
+        facts = engine.facts
+        self.max_model_len: int = facts.max_model_len
+        self.vocab_size: int = facts.vocab_size
         self.limits = limits or ServerLimits()
-        llm = engine.engine
         # Defaults of the fields a request leaves out: the model's generation config (engine argument
         # generation_config), as vLLM applies it.
-        self.default_sampling: dict[str, Any] = dict(llm.default_sampling_params)
+        self.default_sampling: dict[str, Any] = dict(facts.default_sampling_params)
         # Called with (n, max_tokens) of every engine request added (the metrics' request_params_*).
         self.on_request_params: Callable[[int, int], None] | None = None
         # Default: what the KV cache holds; a request needing more would only preempt itself.
-        self.max_request_tokens: int = self.limits.max_request_tokens or llm.num_kv_blocks * llm.kv_manager.block_size
+        self.max_request_tokens: int = self.limits.max_request_tokens or facts.kv_capacity_tokens
         # No token covers more characters than the longest vocabulary entry (byte-level BPE entries
         # are at least as long as their text), so a text longer than this many characters per token
         # of context cannot fit: reject it before tokenizing, which for megabytes takes many seconds.
@@ -158,9 +159,9 @@ class OpenAIServing:
 
     async def add_requests(
         self, request_id: str, prompts: list[dict], params: SamplingParams, arrival_time: float
-    ) -> list[RequestStream]:
+    ) -> list[OutputStream]:
         """Adds one engine request per prompt, all or nothing; bad input becomes a 400."""
-        streams: list[RequestStream] = []
+        streams: list[OutputStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -184,7 +185,7 @@ class OpenAIServing:
                 self.on_request_params(params.n, max_tokens)
         return streams
 
-    async def collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+    async def collect(self, streams: list[OutputStream], request: Request) -> list[RequestOutput]:
         """The final output of every stream; aborts them all if the client disconnects first."""
 
         async def run() -> list[RequestOutput]:

@@ -42,7 +42,7 @@ class OpenAIServingTokenization:
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         chat = self.chat
         chat.check_model(req.model)
-        vocab = chat.engine.engine.vocab_size
+        vocab = chat.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"Token ids out of range [0, {vocab}): {bad[:5]}.", param="tokens")

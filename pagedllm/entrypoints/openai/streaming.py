@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.client import OutputStream
 from pagedllm.outputs import RequestOutput
 
 
@@ -47,7 +47,7 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
     client that vanishes before the generator ever started (then its finally would never run).
     """
 
-    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+    def __init__(self, content: AsyncIterator[str], streams: list[OutputStream]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -62,12 +62,12 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
             abort_all(self._streams)
 
 
-def abort_all(streams: list[RequestStream]) -> None:
+def abort_all(streams: list[OutputStream]) -> None:
     for s in streams:
         s.abort()
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields (prompt index, output) from several request streams as outputs arrive.
 
     Like RequestStream itself, keeps only the latest unread output per stream (outputs are
@@ -82,7 +82,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     event = asyncio.Event()
     running = len(streams)
 
-    async def pump(i: int, s: RequestStream) -> None:
+    async def pump(i: int, s: OutputStream) -> None:
         nonlocal running
         try:
             async for out in s:
