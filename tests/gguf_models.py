@@ -1,7 +1,7 @@
 """Writes tiny GGUF files (llama.cpp layout) for the GGUF loading and quantized-execution tests.
 
-Weights come from a tiny HF checkpoint (tiny_models.build_model: llama, qwen2 or qwen3), q/k rows
-permuted as llama.cpp's converter does for llama (not for qwen2 / qwen3: NEOX RoPE), and quantized
+Weights come from a tiny HF checkpoint (tiny_models.build_model), q/k rows permuted as llama.cpp's
+converter does for llama (not for the NEOX-RoPE families), Gemma's norms stored + 1, and quantized
 with gguf-py's own quantizers (Q4_0 / Q4_1 / Q8_0). gguf-py cannot quantize K-quants, so K-quant
 tensors get hand-packed blocks: random quant bits and sub-block scales with small fp16 super-block
 scales (any bit pattern is a valid block; the tests compare paths, not against the float
@@ -18,7 +18,15 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_ARCH,
+    GGMLQuantizationType,
+    GGUFWriter,
+    RopeScalingType,
+    SpecialVocab,
+    get_tensor_name_map,
+)
 from gguf.quants import quantize
 
 T = GGMLQuantizationType
@@ -47,7 +55,12 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", False, "qwen2"),
     "phi3": ("phi3", False, "default"),
     "gpt2": ("gpt2", False, "gpt-2"),
+    # a Gemma 3 checkpoint without tokenizer.model: llama.cpp's converter writes its BPE as "gpt2"
+    "gemma3_text": ("gemma3", False, "default"),
 }
+# What llama.cpp's Gemma 3 assumes instead of reading it (see gguf_arch.gemma3_config)
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def gguf_name(hf: str) -> str:
@@ -98,18 +111,24 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     arch, permuted, pre = ARCHITECTURES[cfg["model_type"]]
     w = GGUFWriter(path, architecture or arch)
+    name_of = gguf_name
     if cfg["model_type"] == "gpt2":
         tensors = _gpt2_tensors(w, cfg, tensors)
         n_head = n_kv = cfg["n_head"]
     else:
         n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         _add_llama_metadata(w, cfg)
+    if cfg["model_type"] == "gemma3_text":
+        _add_gemma3_metadata(w, cfg)
+        # gguf-py's own name map (llama.cpp's): Gemma's four norms a layer have names of their own
+        names = get_tensor_name_map(MODEL_ARCH.GEMMA3, cfg["num_hidden_layers"])
+        name_of = lambda hf: names.get_name(hf, try_suffixes=(".weight", ".bias"))  # noqa: E731
     _add_tokenizer(w, hf_dir, pre)
-    if cfg.get("pad_token_id") is not None:  # gguf-py's SpecialVocab takes it from config.json
-        w.add_pad_token_id(cfg["pad_token_id"])
     for name, t in tensors.items():
-        gname = gguf_name(name)
+        gname = name_of(name)
         a = t.float().numpy()
+        if cfg["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp multiplies by the norm weight, Gemma by 1 + weight
         if permuted and ".attn_q." in gname:
             a = permute(a, n_head)
         elif permuted and ".attn_k." in gname:
@@ -147,11 +166,39 @@ def _add_llama_metadata(w: GGUFWriter, cfg: dict) -> None:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    # transformers 5 writes rope_theta inside rope_parameters, 4.x at the top level
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    # transformers 5 writes rope_theta inside rope_parameters (Gemma 3: per layer type, the file
+    # holds the global layers'), 4.x at the top level
+    rope = cfg.get("rope_parameters", {})
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
     if cfg["model_type"] == "phi3":
         _add_phi3_rope(w, cfg)
+
+
+def _add_gemma3_metadata(w: GGUFWriter, cfg: dict) -> None:
+    """What llama.cpp's Gemma 3 converter adds to the Llama-like keys: the window and the global
+    layers' linear RoPE scaling. A config llama.cpp could not run as HF does is refused: it reads
+    no layer pattern, local RoPE base or attention scale from the file."""
+    n = cfg["num_hidden_layers"]
+    pattern = ["full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention" for i in range(n)]
+    rope = cfg["rope_parameters"]
+    local, full = rope["sliding_attention"], rope["full_attention"]
+    scale = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
+    refusals = {
+        "layer_types": (cfg["layer_types"], pattern),
+        "local RoPE": ((local["rope_type"], local["rope_theta"]), ("default", GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": (cfg["query_pre_attn_scalar"], scale),
+    }
+    for what, (have, llama_cpp) in refusals.items():
+        if have != llama_cpp:
+            raise ValueError(f"llama.cpp's gemma3 cannot express {what} {have!r} (it assumes {llama_cpp!r})")
+    w.add_sliding_window(cfg["sliding_window"])
+    if full["rope_type"] == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    elif full["rope_type"] != "default":
+        raise ValueError(f"llama.cpp's gemma3 converter writes linear RoPE scaling only, not {full['rope_type']!r}")
 
 
 def _gpt2_tensors(w: GGUFWriter, cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,7 +258,7 @@ def _add_phi3_rope(w: GGUFWriter, cfg: dict) -> None:
 
 def _add_tokenizer(w: GGUFWriter, hf_dir: str, pre: str) -> None:
     """The tiny byte-level BPE tokenizer as llama.cpp's "gpt2" vocab (what transformers reads back),
-    with its chat template."""
+    with its special tokens and chat template."""
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
     vocab = dict(tok["model"]["vocab"])
@@ -227,12 +274,9 @@ def _add_tokenizer(w: GGUFWriter, hf_dir: str, pre: str) -> None:
     w.add_token_list(tokens)
     w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    template = os.path.join(hf_dir, "chat_template.jinja")  # where transformers 5 saves it
-    if os.path.isfile(template):
-        with open(template) as f:
-            w.add_chat_template(f.read())
+    # special token ids (config.json's pad), whether a BOS is added (Gemma's post-processor) and
+    # the chat template, as llama.cpp's converter takes them: through gguf-py's SpecialVocab
+    SpecialVocab(hf_dir, load_merges=False).add_to_gguf(w, quiet=True)
 
 
 def tiny_kquant_hf(out_dir: str) -> str:
@@ -270,3 +314,19 @@ def gguf_files_with_cache(root, files: dict[str, tuple[str, dict]]) -> Iterator[
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", str(root / "cache"))
         yield {name: write_gguf(hf, str(root / f"{name}.gguf"), formats) for name, (hf, formats) in files.items()}
+
+
+# The tiny Gemma 3 as llama.cpp can express it (tiny_models' own has a layer pattern and attention
+# scale of its own, for the HF tests): every 6th layer global, 1/sqrt(head_dim); GQA, the window
+# narrower than long prompts and the linear-scaled global RoPE stay.
+GEMMA3_AS_LLAMA_CPP = {
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "query_pre_attn_scalar": 32,  # its head_dim
+}
+
+
+def tiny_gemma3_llama_cpp_hf(out_dir: str) -> str:
+    from tiny_models import build_model
+
+    return build_model("gemma3", out_dir, config_overrides=GEMMA3_AS_LLAMA_CPP)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from gguf_models import K_QUANTS, gguf_files_with_cache, pack_k_quant, tiny_kquant_hf
+from gguf_models import K_QUANTS, gguf_files_with_cache, pack_k_quant, tiny_gemma3_llama_cpp_hf, tiny_kquant_hf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import load_cpu_kernels
@@ -216,8 +216,10 @@ K_FORMATS = {
 
 # Files of the llama architecture, and of the other GGUF families (models/gguf_arch.py) in the
 # legacy formats: qwen2 (q/k/v biases, tied head), qwen3 (per-head q/k norms, untied head); their
-# q/k rows are in HF's order (no un-permutation).
-FILES = ("legacy", "kquant", "qwen2", "qwen3")
+# q/k rows are in HF's order (no un-permutation); gemma3 (norms stored + 1, sliding layers, GeGLU,
+# tied head), whose layers run in PyTorch around the quantized GEMMs (no fused layer kernels).
+FILES = ("legacy", "kquant", "qwen2", "qwen3", "gemma3")
+FUSED_LAYERS = ("legacy", "kquant", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +227,8 @@ def gguf_files(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gguf")
     kq = tiny_kquant_hf(str(root / "kquant_hf"))
     files = {"legacy": (tiny_model_dirs["llama"], LEGACY_FORMATS), "kquant": (kq, K_FORMATS)}
-    files |= {fam: (tiny_model_dirs[fam], LEGACY_FORMATS) for fam in FILES[2:]}
+    files |= {fam: (tiny_model_dirs[fam], LEGACY_FORMATS) for fam in FILES[2:4]}
+    files["gemma3"] = (tiny_gemma3_llama_cpp_hf(str(root / "gemma3_hf")), LEGACY_FORMATS)
     with gguf_files_with_cache(root, files) as paths:
         yield paths
 
@@ -268,7 +271,7 @@ def _hidden(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
 # layer (~1e-5 relative rounding each) and another summation order, far below 0.1%. The legacy
 # files' Q4_0 / Q4_1 layers run int8 activations (llama.cpp's scheme: amax / 254 per element,
 # ~0.4% of a typical element) through two layers and the head of this random model: a few percent.
-KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 1e-3, "qwen2": 5e-2, "qwen3": 5e-2}
+KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 1e-3, "qwen2": 5e-2, "qwen3": 5e-2, "gemma3": 5e-2}
 
 
 @pytest.mark.parametrize("which", sorted(KERNEL_LOGIT_TOLERANCE))
@@ -277,14 +280,15 @@ def test_kernel_path_close_to_reference(gguf_files, kernels, which):
     fast = LLM(model=path, dtype="float32", num_kv_blocks=32, quantization="gguf")
     ref = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
     assert fast.llm_engine.model.layers[0].mlp.down_proj.kernels is not None
-    assert fast.llm_engine.model.kernels is not None and ref.llm_engine.model.kernels is None  # fused layer ops
+    assert (fast.llm_engine.model.kernels is not None) == (which in FUSED_LAYERS)  # fused layer ops
+    assert ref.llm_engine.model.kernels is None
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
     lf = fast.llm_engine.model.compute_logits(_hidden(fast, ids))
     lr = ref.llm_engine.model.compute_logits(_hidden(ref, ids))
     assert (lf - lr).abs().max() <= KERNEL_LOGIT_TOLERANCE[which] * lr.abs().max()
 
 
-@pytest.mark.parametrize("which", FILES)
+@pytest.mark.parametrize("which", FUSED_LAYERS)
 @pytest.mark.parametrize("quantization", ["gguf", None])
 def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantization):
     """Native (QuantizedLinear layers and a QuantizedEmbedding without a float weight) and
@@ -335,8 +339,9 @@ def _greedy(path: str, **kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-# qwen3: its per-head q/k norms run between the quantized projection and RoPE
-@pytest.fixture(scope="module", params=["legacy", "kquant", "qwen3"])
+# qwen3: its per-head q/k norms run between the quantized projection and RoPE; gemma3: sliding
+# layers whose window the longer prompts outgrow
+@pytest.fixture(scope="module", params=["legacy", "kquant", "qwen3", "gemma3"])
 def greedy_baseline(request, gguf_files, kernels):
     path = gguf_files[request.param]
     toks, llm = _greedy(path, max_num_seqs=1)  # one request at a time, whole prompts: the simplest schedule

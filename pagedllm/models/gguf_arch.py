@@ -10,7 +10,7 @@ q/k rows. A family whose model class exists (models/registry.py) needs only an e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -76,6 +76,12 @@ class GGUFArchitecture:
     conv1d: frozenset[str] = frozenset()
     # Llama-like: the config gets the RoPE / RMSNorm / SiLU keys and the native loader runs it
     llama_like: bool = True
+    # What llama.cpp's converter added to every norm weight (Gemma's x * (1 + w) is stored as w + 1,
+    # since llama.cpp multiplies by the stored weight): both loaders subtract it again
+    norm_shift: float = 0.0
+    # The family's config values llama.cpp does not store but hard-codes by architecture: filled
+    # into the Llama-like config (Gemma 3's layer types, local RoPE base, attention scale)
+    derive_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def hf_name(self, gguf_name: str) -> str:
         """The HF name of a tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
@@ -91,6 +97,11 @@ class GGUFArchitecture:
         """A dequantized tensor [out, in] in the HF checkpoint's layout (GPT-2's Conv1D: [in, out])."""
         base, _, kind = gguf_name.rpartition(".")
         return w.T if kind == "weight" and w.ndim == 2 and base.rpartition(".")[2] in self.conv1d else w
+
+    def value_shift(self, gguf_name: str) -> float:
+        """What to subtract from a tensor's values to get HF's: ``norm_shift`` on a norm weight."""
+        base, _, kind = gguf_name.rpartition(".")
+        return self.norm_shift if kind == "weight" and base.endswith("norm") else 0.0
 
     def to_hf_rows(self, gguf_name: str, rows: np.ndarray, n_head: int, n_kv_head: int) -> np.ndarray:
         """``rows`` (a tensor's values or its quantized byte rows, [out, ...]) in HF's row order."""
@@ -113,6 +124,30 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     head_dim = w.shape[0] // n_head
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# llama.cpp's Gemma 3: what it assumes rather than reads (llama-model.cpp, LLM_ARCH_GEMMA3)
+GEMMA3_SWA_PATTERN = 6  # every 6th layer attends globally, the other five through the window
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # the sliding layers' RoPE base, unscaled
+GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is 1/sqrt(hidden / heads), not 1/sqrt(head_dim)
+
+
+def gemma3_config(values: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's HF config from a file's Llama-like values, deriving what llama.cpp hard-codes:
+    ``layer_types`` (pattern 6; all global without a window), the local RoPE base, and
+    ``query_pre_attn_scalar`` from the size as llama.cpp computes the attention scale."""
+    n, window = values["num_hidden_layers"], values.get("sliding_window")
+    values["layer_types"] = [
+        "sliding_attention" if window and (i + 1) % GEMMA3_SWA_PATTERN else "full_attention" for i in range(n)
+    ]
+    if n == GEMMA3_27B_LAYERS:
+        values["query_pre_attn_scalar"] = values["hidden_size"] // values["num_attention_heads"]
+    else:
+        values["query_pre_attn_scalar"] = values["head_dim"]
+    values["rope_local_base_freq"] = GEMMA3_LOCAL_ROPE_BASE
+    del values["hidden_act"]  # Gemma's config names its activation hidden_activation
+    values["hidden_activation"] = "gelu_pytorch_tanh"
+    return values
 
 
 GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
@@ -188,6 +223,26 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 }
             ),
             config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+        ),
+        # four norms a layer (stored + 1), q/k norms, GeGLU, sliding and global layers, NEOX RoPE,
+        # tied head; llama.cpp writes the linear RoPE scaling of the global layers only
+        "gemma3": GGUFArchitecture(
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            rope_permuted=False,
+            block_tensors=MappingProxyType(
+                {
+                    **LLAMA_BLOCK_TENSORS,
+                    "post_attention_norm": "post_attention_layernorm",
+                    "ffn_norm": "pre_feedforward_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm",
+                    "attn_q_norm": "self_attn.q_norm",
+                    "attn_k_norm": "self_attn.k_norm",
+                }
+            ),
+            metadata=MappingProxyType({**LLAMA_METADATA, "final_logit_softcapping": "final_logit_softcapping"}),
+            norm_shift=1.0,
+            derive_config=gemma3_config,
         ),
     }
 )

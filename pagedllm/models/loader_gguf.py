@@ -51,7 +51,7 @@ _FALLBACKS = {
     "rope_theta": lambda c: 10000.0,
 }
 # Keys whose absence means the feature is off: left out of config.json (the HF config's default).
-_OPTIONAL = frozenset({"sliding_window"})
+_OPTIONAL = frozenset({"sliding_window", "final_logit_softcapping"})
 
 
 def _metadata_config(reader: GGUFReader, gguf_arch: str, arch: GGUFArchitecture) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
 
     # Legacy-style keys (rope_theta / rope_scaling / torch_dtype), as in the original Hub
     # config.json: understood by transformers 4.x and 5.x and easy for our own code to read.
-    return {
+    config = {
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,
         "vocab_size": int(vocab_size),
@@ -158,6 +158,7 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    return config if arch.derive_config is None else arch.derive_config(config)
 
 
 def _gpt2_config(
@@ -203,6 +204,8 @@ def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, to
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         # F32 tensors come back as read-only views of the memory-mapped file; torch wants writable.
+        if arch.value_shift(t.name):  # Gemma's norms, stored + 1
+            w = w - np.float32(arch.value_shift(t.name))
         w = arch.to_hf_layout(t.name, arch.to_hf_rows(t.name, w, n_head, n_kv))
         w = np.require(w, np.float32, ["C", "W"])
         tensors[arch.hf_name(t.name)] = torch.from_numpy(w)

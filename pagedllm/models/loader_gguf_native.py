@@ -38,10 +38,10 @@ _FUSED |= {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2
 
 class _Tensor:
     """One GGUF tensor in torch order: ``data`` [N, row_bytes] uint8 (quantized) or float [N, K] / [N];
-    ``name``: the file's."""
+    ``name``: the file's. ``shift``: what llama.cpp's converter added to the float values (Gemma's norms: 1)."""
 
-    def __init__(self, name: str, qtype: int, data: np.ndarray, k: int) -> None:
-        self.name, self.qtype, self.data, self.k = name, qtype, data, k
+    def __init__(self, name: str, qtype: int, data: np.ndarray, k: int, shift: float = 0.0) -> None:
+        self.name, self.qtype, self.data, self.k, self.shift = name, qtype, data, k, shift
 
     @property
     def numel(self) -> int:
@@ -56,6 +56,8 @@ class _Tensor:
 
         # F32 / F16 / BF16 only: float in the file already
         w = dequantize(self.data, GGMLQuantizationType(self.qtype)).astype(np.float32, copy=False)
+        if self.shift:  # in float32, before the cast to dtype
+            w = w - np.float32(self.shift)
         return torch.from_numpy(np.array(w.reshape(self.data.shape[0], -1) if self.data.ndim > 1 else w)).to(dtype)
 
 
@@ -77,7 +79,7 @@ def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) ->
         if len(dims) == 2:
             data = data.reshape(dims[0], -1)
         data = arch.to_hf_rows(t.name, data, n_head, n_kv)  # whole rows: exact on the blocks' bytes
-        out[arch.hf_name(t.name)] = _Tensor(t.name, qtype, data, dims[-1])
+        out[arch.hf_name(t.name)] = _Tensor(t.name, qtype, data, dims[-1], arch.value_shift(t.name))
     return out
 
 
@@ -280,8 +282,8 @@ def load_gguf_model(
     # Qwen3's per-head q/k norms ...): each goes to the model parameter of its HF name.
     for name, t in tensors.items():
         _set_float_parameter(model, name.removeprefix("model."), t, dtype, gguf_path)
-    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    leftover = [n for n in leftover if not n.startswith("rope.")]
+    # the state dict leaves out the computed buffers (RoPE tables), which init_computed_buffers makes
+    leftover = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     if leftover:
         raise ValueError(f"{gguf_path}: weights not loaded: {leftover}")
     del file_tensors  # drop the memory map: every tensor kept was copied out of it
