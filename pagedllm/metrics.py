@@ -130,8 +130,8 @@ _GAUGES = [
     ("num_free_kv_blocks", "num_free_kv_blocks", "KV blocks free for new tokens."),
 ]
 _COUNTERS = [
-    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache block lookups (full prompt blocks, up to the first miss)."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache block lookups that hit a cached block."),
     ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
     ("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens", "generation_tokens", "Number of generation tokens processed."),
