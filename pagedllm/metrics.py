@@ -130,7 +130,7 @@ _GAUGES = [
     ("num_free_kv_blocks", "num_free_kv_blocks", "KV blocks free for new tokens."),
 ]
 _COUNTERS = [
-    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache block lookups (full prompt blocks, up to the first miss)."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache block lookups (prompt blocks, to the first miss)."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache block lookups that hit a cached block."),
     ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
     ("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
