@@ -145,19 +145,21 @@ class Router:
         if not live:
             raise NoReplicaError("Every data-parallel replica is dead.")
         hashes = block_hashes(token_ids, self.block_size) if self.policy == "prefix" else []
+        # Each live record's leading match, computed once: the choice and the counters read it.
+        matches = {i: self.records[i].match(hashes) for i in live} if hashes else dict.fromkeys(live, 0)
         if self.policy == "round_robin":
-            decision = self._round_robin(live)
+            decision = self._round_robin()
         else:
-            decision = self._prefix(live, hashes)
+            decision = self._prefix(live, matches, len(hashes))
         r = decision.replica
-        matched = self.records[r].match(hashes) * self.block_size  # under the threshold too
+        matched = matches[r] * self.block_size  # under the threshold too
         self.records[r].add(hashes)
         self.in_flight[r] += 1
         self.routed[r] += 1
         self.matched_tokens[r] += matched
         return RouteDecision(r, matched, decision.reason)
 
-    def _round_robin(self, live: list[int]) -> RouteDecision:
+    def _round_robin(self) -> RouteDecision:
         for k in range(self.num_replicas):
             r = (self._next + k) % self.num_replicas
             if self.alive[r]:
@@ -173,13 +175,13 @@ class Router:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
 
-    def _prefix(self, live: list[int], hashes: list[int]) -> RouteDecision:
+    def _prefix(self, live: list[int], matches: dict[int, int], num_blocks: int) -> RouteDecision:
         if len(live) > 1 and self._imbalanced(live):
             return RouteDecision(self._least_loaded(live), 0, "imbalanced")
-        if hashes:
+        if num_blocks:
             # Longest match; among equal matches the least loaded.
-            best = max(live, key=lambda i: (self.records[i].match(hashes), -self.in_flight[i], -i))
-            blocks = self.records[best].match(hashes)
-            if blocks >= 1 and blocks >= self.cache_threshold * len(hashes):
+            best = max(live, key=lambda i: (matches[i], -self.in_flight[i], -i))
+            blocks = matches[best]
+            if blocks >= 1 and blocks >= self.cache_threshold * num_blocks:
                 return RouteDecision(best, blocks * self.block_size, "prefix")
         return RouteDecision(self._least_loaded(live), 0, "least_loaded")
