@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import random
@@ -35,10 +34,10 @@ import tempfile
 import time
 
 import httpx
+from bench_lock import bench_lock  # this folder: the script's own directory is on sys.path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-LOCK = "/tmp/pagedllm-bench.lock"
 SIZE = dict(
     hidden_size=512,
     intermediate_size=1536,
@@ -57,16 +56,6 @@ def build_model(out_dir: str) -> str:
     from tiny_models import build_model as build_tiny
 
     return build_tiny("llama", out_dir, config_overrides=SIZE)
-
-
-@contextlib.contextmanager
-def bench_lock():
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class Server:

@@ -18,7 +18,6 @@ SchedulerOutput), how many collectives ran and how many bytes each one carried.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import platform
@@ -27,11 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+
+from bench_lock import bench_lock  # this folder: the script's own directory is on sys.path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-LOCK = "/tmp/pagedllm-bench.lock"
 
 MODEL = dict(
     vocab_size=32000,
@@ -47,18 +46,6 @@ CONFIGS = ((1, 1), (1, 2), (2, 1))  # (tensor_parallel_size, threads per rank)
 BATCHES = (1, 16)
 PROMPT_LEN = 32
 WARMUP_STEPS = 4  # the first decode steps warm the allocator and the kernels up
-
-
-@contextmanager
-def bench_lock():
-    """Holds the benchmark lock for the whole run, so no other timed run overlaps it."""
-    with open(LOCK, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for {LOCK} (another benchmark or test run holds it)", file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 def build_model(out_dir: str) -> str:
