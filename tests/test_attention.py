@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
-from pagedllm.attention.paged_attention import paged_attention
+from pagedllm.attention.paged_attention import attend, paged_attention
 from pagedllm.kernels import load_cpu_kernels
 
 
@@ -234,3 +234,36 @@ def test_float32_decode_kernel_does_not_depend_on_batch_or_threads():
     finally:
         torch.set_num_threads(prev)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("h,hkv,d", [(4, 2, 32), (9, 3, 64)])
+def test_float32_prefill_rows_do_not_depend_on_chunking(h, hkv, d, window):
+    """Without a prefill kernel (float32 caches) each prefill query runs as a decode row, so its
+    output is the same bits whatever chunk it came in, beside whatever decodes: torch's SDPA did
+    not give that (on AVX512 a row's sum changed with the chunk's query count, which flipped a
+    Gemma 3 greedy token under chunked prefill)."""
+    n = 55
+    q, k, v, kc, vc, meta, _ = build_batch(16, h, hkv, d, 4, [], [(0, n)])
+    meta.decode_kernel = kernels.paged_decode_attention
+    scale = 1 / math.sqrt(d)
+    whole = paged_attention(q, k, v, kc, vc, meta, scale, window)  # writes every K/V into the caches
+    table = meta.prefills[0].block_ids
+    for chunk in (1, 2, 5, 7, 16, 30):
+        for start in range(0, n, chunk):
+            ql = min(chunk, n - start)
+            # beside two decode rows of the same sequence (positions 3 and 40)
+            dec_lens = torch.tensor([4, 41])
+            rows = torch.cat([q[[3, 40]], q[start : start + ql]])
+            part = AttentionMetadata(
+                slot_mapping=torch.zeros(2 + ql, dtype=torch.long),
+                num_decodes=2,
+                decode_block_tables=table.expand(2, -1).contiguous(),
+                decode_seq_lens=dec_lens,
+                prefills=[PrefillSeq(2, ql, start + ql, table[: -(-(start + ql) // 16)], None)],
+                decode_kernel=kernels.paged_decode_attention,
+            )
+            out = attend(rows, None, None, kc, vc, part, scale, window)
+            assert torch.equal(out[2:], whole[start : start + ql]), f"chunk {chunk} at {start}"
+            assert torch.equal(out[:2], whole[[3, 40]])

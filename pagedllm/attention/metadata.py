@@ -50,6 +50,7 @@ class AttentionMetadata:
     prompt_lens: torch.Tensor | None = None
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _prefill_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prefill_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill chunks as the prefill kernel takes them (built once per step): block tables
@@ -68,6 +69,18 @@ class AttentionMetadata:
                 as_tensor([p.context_len for p in ps]),
             )
         return self._prefill_batch
+
+    def prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every prefill query as a decode row (built once per step): its sequence's block table
+        [rows, max_blocks] and its own key count (position + 1) [rows]. The prefill rows are the
+        contiguous rows from the first chunk's query_start on."""
+        if self._prefill_rows is None:
+            tables, _, q_lens, ctx_lens = self.prefill_batch()
+            lens = torch.cat(
+                [torch.arange(c + 1, c + n + 1) for c, n in zip(ctx_lens.tolist(), q_lens.tolist(), strict=True)]
+            )
+            self._prefill_rows = (tables.repeat_interleave(q_lens, dim=0), lens)
+        return self._prefill_rows
 
     def decode_view(self, block_size: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' block tables and visibility mask [num_decodes, 1, 1, keys] as the

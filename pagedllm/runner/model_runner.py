@@ -219,7 +219,8 @@ class ModelRunner:
                 prompt_len_parts.append(torch.full((n,), s.num_prompt_tokens, dtype=torch.long))
             slot_parts.append(row[p // bs] * bs + p % bs)
             mask = None
-            if start > 0 and self.prefill_kernel is None:  # the kernel masks by positions itself
+            # the kernels mask by positions themselves (decode_kernel: prefill rows run as decode rows)
+            if start > 0 and self.prefill_kernel is None and self.decode_kernel is None:
                 # Query i (position start + i) sees keys 0..start + i.
                 q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
                 mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
