@@ -42,3 +42,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+def pytest_report_header(config) -> list[str]:
+    """Which CPU and which compiled kernel paths this run tests (the lower levels run in
+    tests/test_kernel_build.py's subprocesses)."""
+    from pagedllm.kernels import load_cpu_kernels
+    from pagedllm.kernels.build import cpu_model, levels_here, selected_level
+
+    kernels = load_cpu_kernels()
+    built = kernels.compiled_isa() if kernels is not None else "not built: the reference path only"
+    return [
+        f"cpu: {cpu_model()}",
+        f"kernels: PAGEDLLM_ISA={selected_level()} ({built}); levels this machine runs: {', '.join(levels_here())}",
+    ]

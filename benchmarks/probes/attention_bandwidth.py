@@ -19,16 +19,14 @@ from pagedllm.host_memory import advise_huge_pages
 SEQS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 200, 9, 3, 64, 16, 8
 
 
-def load_build(suffix: str):
-    """The kernels module built as <torch extensions dir>/pagedllm_cpu_kernels_<suffix> (by default
-    ~/.cache/torch_extensions/py3XX_cpu/; kernel_ab.py and attention_hot_cold.py compare such builds)."""
-    from torch.utils.cpp_extension import get_default_build_root
+def load_build(name: str):
+    """The kernels module of a build under the pagedllm kernel cache (~/.cache/pagedllm/kernels,
+    PAGEDLLM_KERNEL_DIR), by its folder name, e.g. pagedllm_kernels_native_<key> (each edit of
+    pagedllm/kernels/*.cpp or *.h makes a new one; kernel_ab.py and attention_hot_cold.py compare
+    such builds)."""
+    from pagedllm.kernels.build import cache_root
 
-    name = f"pagedllm_cpu_kernels_{suffix}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-    )
-    path = os.path.join(root, name, f"{name}.so")
+    path = next((cache_root() / name).glob(f"{name}*.so"))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -4,7 +4,7 @@ From cache (12 sequences, one layer: ~2 MB, or
 SL=40:1 ~7 MB) and from memory (200 sequences x 8 layers, 277 MB): us per layer and GB/s of K/V.
 
     python attention_hot_cold.py SUFFIX [SUFFIX ...]   (PLACED=1: each sequence's blocks adjacent)
-SUFFIX: a build under ~/.cache/torch_extensions/py3XX_cpu/pagedllm_cpu_kernels_<SUFFIX> (see
+SUFFIX: the folder name of a build under ~/.cache/pagedllm/kernels (pagedllm_kernels_native_<key>) (see
 kernel_ab.py). The q.k / softmax / p.v split of the decode attention kernel was measured by
 building variants with one of them removed.
 """

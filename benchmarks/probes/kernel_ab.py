@@ -1,8 +1,8 @@
 """Decode attention ms per layer of two builds of the CPU kernels, interleaved on the same data.
 
 python kernel_ab.py HASH_A HASH_B [rounds]   (L=300 env: longest sequence)
-HASH: the suffix of a build under ~/.cache/torch_extensions/py3XX_cpu/pagedllm_cpu_kernels_<HASH>
-(each edit of pagedllm/kernels/*.cpp builds a new one on first use). Decode attention, 200
+HASH: the folder name of a build under ~/.cache/pagedllm/kernels (pagedllm_kernels_native_<key>;
+each edit of pagedllm/kernels/*.cpp or *.h builds a new one). Decode attention, 200
 sequences of L/2..L tokens, blocks scattered, caches on huge pages as in the engine. Interleaved
 because run-to-run noise on small VMs is about +-5%.
 """

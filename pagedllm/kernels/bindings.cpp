@@ -1,6 +1,37 @@
 // Python bindings of the CPU kernels (one extension module for all of them).
 #include "entry_points.h"
 
+// The instruction-set features this build was compiled with: what its kernel paths may use (the
+// runtime choices, AMX permission and the PAGEDLLM_NO_AMX switch, come on top).
+static std::string compiled_isa() {
+  std::string s;
+  auto add = [&s](bool on, const char* name) {
+    if (on) s += s.empty() ? name : std::string(" ") + name;
+  };
+#if defined(__AVX2__) && defined(__FMA__)
+  add(true, "avx2+fma");
+#endif
+#if defined(__F16C__)
+  add(true, "f16c");
+#endif
+#if defined(__AVX512F__)
+  add(true, "avx512f");
+#endif
+#if defined(__AVX512BW__)
+  add(true, "avx512bw");
+#endif
+#if defined(__AVX512VNNI__)
+  add(true, "avx512vnni");
+#endif
+#if defined(__AVX512BF16__)
+  add(true, "avx512bf16");
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  add(true, "amx-bf16");
+#endif
+  return s.empty() ? "portable" : s;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention (CPU): out <- softmax(q k^T * scale) v, K/V read through the block table");
@@ -32,5 +63,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows `ids` of weights repacked by quant_interleave_rows, as GGUF rows (embedding lookups)");
   m.def("quant_gemm_interleaved", &quant_gemm_interleaved,
         "x @ W^T with W interleaved Q4_0 / Q4_1 (int8 activation blocks) or Q8_0 (int16) groups");
+  m.def("compiled_isa", &compiled_isa, "the instruction-set features this build was compiled with");
   bind_decoder_plan(m);
 }

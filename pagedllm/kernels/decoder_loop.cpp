@@ -110,7 +110,9 @@ class DecoderPlan {
 };
 
 void bind_decoder_plan(pybind11::module_& m) {
-  pybind11::class_<DecoderPlan>(m, "DecoderPlan",
+  // module_local: each instruction-set level's build is a module of its own with its own DecoderPlan,
+  // and several levels may be loaded in one process (the tests run every level the CPU has).
+  pybind11::class_<DecoderPlan>(m, "DecoderPlan", pybind11::module_local(),
                                 "a decode step through every decoder layer in one call (float32 activations)")
       .def(pybind11::init<const std::vector<std::vector<DecoderPlan::PartSpec>>&, std::vector<torch::Tensor>,
                           std::vector<double>, int64_t, int64_t, int64_t, double, std::vector<int64_t>>())

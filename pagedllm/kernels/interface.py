@@ -1,5 +1,5 @@
-"""CpuKernels: the typed interface of the compiled CPU kernels (one extension module built on first
-use, see load_cpu_kernels). Models, layers and the runner take this object, never the raw module,
+"""CpuKernels: the typed interface of the compiled CPU kernels (one extension module per
+instruction-set level, see build.py). Models, layers and the runner take this object, never the raw module,
 so what each kernel takes and does is written down once, here.
 
 All tensors are on the CPU; bf16 unless named otherwise (the layer kernels, RoPE + cache write,
@@ -25,6 +25,11 @@ INTERLEAVED_OFFSET = 1000
 class CpuKernels:
     def __init__(self, module: ModuleType) -> None:
         self._m = module
+
+    def compiled_isa(self) -> str:
+        """The instruction-set features this build was compiled with ("avx2+fma f16c avx512f ...",
+        or "portable")."""
+        return self._m.compiled_isa()
 
     # ---- what the kernels take ------------------------------------------------------------
     # The kernels refuse shapes they do not handle with a TORCH_CHECK, which would fail every step
