@@ -219,8 +219,9 @@ class ModelRunner:
                 prompt_len_parts.append(torch.full((n,), s.num_prompt_tokens, dtype=torch.long))
             slot_parts.append(row[p // bs] * bs + p % bs)
             mask = None
-            # the kernels mask by positions themselves (decode_kernel: prefill rows run as decode rows)
-            if start > 0 and self.prefill_kernel is None and self.decode_kernel is None:
+            # the kernels mask by positions themselves (float32: prefill rows run as decode rows)
+            as_decode_rows = self.decode_kernel is not None and self.kv_caches[0][0].dtype == torch.float32
+            if start > 0 and self.prefill_kernel is None and not as_decode_rows:
                 # Query i (position start + i) sees keys 0..start + i.
                 q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
                 mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
