@@ -44,7 +44,7 @@ def one_torch_thread():
     torch.set_num_threads(prev)
 
 
-def pytest_report_header(config) -> list[str]:
+def kernel_paths_line() -> str:
     """Which CPU and which compiled kernel paths this run tests (the lower levels run in
     tests/test_kernel_build.py's subprocesses)."""
     from pagedllm.kernels import load_cpu_kernels
@@ -52,7 +52,18 @@ def pytest_report_header(config) -> list[str]:
 
     kernels = load_cpu_kernels()
     built = kernels.compiled_isa() if kernels is not None else "not built: the reference path only"
-    return [
-        f"cpu: {cpu_model()}",
-        f"kernels: PAGEDLLM_ISA={selected_level()} ({built}); levels this machine runs: {', '.join(levels_here())}",
-    ]
+    return (
+        f"cpu: {cpu_model()}; kernels: PAGEDLLM_ISA={selected_level()} ({built}); "
+        f"levels this machine runs: {', '.join(levels_here())}"
+    )
+
+
+# "LEVEL: pytest's last line" of each lower instruction-set level's kernel test run
+KERNEL_LEVEL_RESULTS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    # summary lines, not a report header: -q (the README's command) hides the header
+    terminalreporter.write_line(kernel_paths_line())
+    for line in KERNEL_LEVEL_RESULTS:
+        terminalreporter.write_line(f"kernel tests at PAGEDLLM_ISA={line}")

@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import KERNEL_LEVEL_RESULTS
 
 from pagedllm.kernels import load_cpu_kernels
 from pagedllm.kernels.build import cpu_flags, levels_here
@@ -177,4 +178,4 @@ def test_lower_levels_pass_the_kernel_tests(level):
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tests.parent)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
-    print(f"kernel tests at PAGEDLLM_ISA={level}: {result.stdout.strip().splitlines()[-1]}")
+    KERNEL_LEVEL_RESULTS.append(f"{level}: {result.stdout.strip().splitlines()[-1]}")
