@@ -77,6 +77,27 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Formats gguf-py dequantizes but cannot quantize: the byte offsets of each block's float16 scales.
+# The rest of a block is random (any bytes are valid quants there); the scales are set small so
+# that values stay in a sane range.
+RANDOM_BLOCK_SCALES = {
+    T.Q2_K: (80, 82),  # scales[16] qs[64] d dmin
+    T.Q3_K: (108,),  # hmask[32] qs[64] scales[12] d
+    T.IQ4_NL: (0,),  # d qs[16]
+    T.IQ4_XS: (0,),  # d scales_h scales_l[4] qs[128]
+}
+
+
+def pack_random_blocks(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes] of random blocks of ``qtype`` (one of RANDOM_BLOCK_SCALES) with small scales."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, k // block, nbytes), dtype=np.uint8)
+    for off in RANDOM_BLOCK_SCALES[qtype]:
+        d = rng.uniform(2e-3, 5e-3, (rows, k // block)).astype(np.float16)
+        raw[..., off : off + 2] = np.frombuffer(d.tobytes(), np.uint8).reshape(rows, k // block, 2)
+    return raw.reshape(rows, -1)
+
+
 def pack_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     block, nbytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, k // block, nbytes), dtype=np.uint8)
@@ -144,6 +165,8 @@ def write_gguf(
             w.add_tensor(gname, a.astype(np.float16))
         elif qtype in K_QUANTS:
             w.add_tensor(gname, pack_k_quant(qtype, a.shape[0], a.shape[1], rng), raw_dtype=qtype)
+        elif qtype in RANDOM_BLOCK_SCALES:
+            w.add_tensor(gname, pack_random_blocks(qtype, a.shape[0], a.shape[1], rng), raw_dtype=qtype)
         else:
             w.add_tensor(gname, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
     w.write_header_to_file()

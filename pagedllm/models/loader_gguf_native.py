@@ -3,8 +3,10 @@
 The file is read with gguf-py's memory-mapped reader one tensor at a time: quantized matrices
 (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K) become QuantizedLinear / QuantizedEmbedding layers
 holding the file's bytes, float tensors (norms, F32 / F16 / BF16 matrices) load as floats. No float
-copy of a quantized matrix is ever made. Config and tokenizer come from the metadata-only
-conversion (``resolve_model_path(..., weights=False)``).
+copy of such a matrix is ever made. A tensor in a block format without an integer kernel (Q5_0,
+Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS ...: llama.cpp's K-quant mixes hold Q5_0 / Q8_0 tensors wherever
+a row is not a multiple of 256) loads dequantized to float, named in one log line. Config and
+tokenizer come from the metadata-only conversion (``resolve_model_path(..., weights=False)``).
 
 Two llama.cpp conventions are undone on the blocks, exactly:
 - Llama's q/k rows are permuted (llama.cpp rotates adjacent pairs, HF the two halves of a head;
@@ -21,7 +23,7 @@ import logging
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
@@ -38,6 +40,8 @@ _FUSED |= {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2
 
 class _Tensor:
     """One GGUF tensor in torch order: ``data`` [N, row_bytes] uint8 (quantized) or float [N, K] / [N];
+    ``quantized``: kept in its blocks for the integer kernels (else loaded as floats, a block
+    format without a kernel dequantized);
     ``name``: the file's. ``shift``: what llama.cpp's converter added to the float values (Gemma's norms: 1)."""
 
     def __init__(self, name: str, qtype: int, data: np.ndarray, k: int, shift: float = 0.0) -> None:
@@ -54,7 +58,7 @@ class _Tensor:
     def float_tensor(self, dtype: torch.dtype) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        # F32 / F16 / BF16 only: float in the file already
+        # F32 / F16 / BF16, or a block format without an integer kernel
         w = dequantize(self.data, GGMLQuantizationType(self.qtype)).astype(np.float32, copy=False)
         if self.shift:  # in float32, before the cast to dtype
             w = w - np.float32(self.shift)
@@ -68,12 +72,10 @@ def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) ->
         if t.name in arch.config_tensors:  # config values (in config.json), not weights
             continue
         qtype = int(t.tensor_type)
-        if qtype not in QUANTIZED_TYPES and t.tensor_type not in (
-            GGMLQuantizationType.F32,
-            GGMLQuantizationType.F16,
-            GGMLQuantizationType.BF16,
-        ):
-            raise ValueError(f"GGUF tensor {t.name}: format {t.tensor_type.name} is not supported natively")
+        if qtype not in QUANTIZED_TYPES and t.tensor_type not in _FLOAT_TYPES and not _dequantizable(qtype):
+            raise ValueError(
+                f"GGUF tensor {t.name}: format {t.tensor_type.name} cannot be read (gguf cannot dequantize it)"
+            )
         dims = tuple(int(d) for d in reversed(t.shape))  # ggml order [in, out] -> torch [out, in]
         data = t.data  # a view of the memory map
         if len(dims) == 2:
@@ -81,6 +83,35 @@ def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) ->
         data = arch.to_hf_rows(t.name, data, n_head, n_kv)  # whole rows: exact on the blocks' bytes
         out[arch.hf_name(t.name)] = _Tensor(t.name, qtype, data, dims[-1], arch.value_shift(t.name))
     return out
+
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _dequantizable(qtype: int) -> bool:
+    """Whether gguf-py dequantizes this block format (Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, ...):
+    a tensor in a format without an integer kernel then loads as floats rather than failing."""
+    from gguf.quants import dequantize
+
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    try:
+        dequantize(np.zeros((1, nbytes), dtype=np.uint8), GGMLQuantizationType(qtype))
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _log_dequantized(tensors: dict[str, _Tensor]) -> None:
+    """One line naming the tensors whose format has no integer kernel (dequantized at load)."""
+    by_type: dict[str, list[str]] = {}
+    for t in tensors.values():
+        if not t.quantized and t.qtype not in {int(f) for f in _FLOAT_TYPES}:
+            by_type.setdefault(GGMLQuantizationType(t.qtype).name, []).append(t.name)
+    if by_type:
+        logger.warning(
+            "pagedllm: no integer kernel for %s: these tensors load dequantized to float",
+            "; ".join(f"{fmt} ({len(names)}: {', '.join(names)})" for fmt, names in sorted(by_type.items())),
+        )
 
 
 def _linear(parts: list[_Tensor], bias: torch.Tensor | None, dtype: torch.dtype, kernels: CpuKernels | None):
@@ -231,6 +262,7 @@ def load_gguf_model(
         )
     file_tensors = index.tensors
     tensors = _read(file_tensors, arch, hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    _log_dequantized(tensors)
     # what the whole model holds (not one shard), for FLOP-per-token figures as load_model counts
     file_params = sum(t.numel for t in tensors.values())
     shard = None

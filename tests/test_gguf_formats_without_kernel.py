@@ -1,0 +1,73 @@
+"""A GGUF file with tensors in block formats that have no integer kernel loads natively all the
+same: those tensors are dequantized at load (one log line names them), the rest stay in their
+blocks. llama.cpp's Q4_K_M files hold Q5_0 / Q8_0 tensors wherever a row is not a multiple of
+256, and many downloads are IQ4_XS / IQ4_NL / Q3_K / Q2_K."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf_models import gguf_files_with_cache, tiny_kquant_hf
+from test_quantized import _hidden
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.quantized_linear import QuantizedLinear
+
+T = GGMLQuantizationType
+# K a multiple of 32 (the tiny llama): the 32-value formats without a kernel, next to kernel ones
+LEGACY_MIX = {"attn_q": T.Q4_0, "attn_k": T.Q5_0, "attn_v": T.Q5_1, "attn_output": T.IQ4_NL, "ffn_down": T.Q4_1}
+# K a multiple of 256: the super-block formats without a kernel
+KQUANT_MIX = {"attn_q": T.Q4_K, "attn_k": T.Q3_K, "attn_v": T.Q2_K, "ffn_down": T.IQ4_XS, "ffn_up": T.Q6_K}
+WITHOUT_KERNEL = {"legacy": ("Q5_0", "Q5_1", "IQ4_NL"), "kquant": ("Q3_K", "Q2_K", "IQ4_XS")}
+
+
+@pytest.fixture(scope="module")
+def files(tiny_model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_mixed")
+    mixes = {"legacy": (tiny_model_dirs["llama"], LEGACY_MIX), "kquant": (tiny_kquant_hf(str(root / "kq")), KQUANT_MIX)}
+    with gguf_files_with_cache(root, mixes) as paths:
+        yield paths
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_formats_without_kernel_load_dequantized_and_match_the_float_model(files, which, caplog):
+    """Native (the kernel formats in their blocks, the others as floats) computes what the model
+    dequantized whole at load computes: same values, other matmul order -> fp32 rounding."""
+    with caplog.at_level(logging.WARNING):
+        native = LLM(
+            model=files[which], dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf"
+        )
+    logged = [r.getMessage() for r in caplog.records if "no integer kernel" in r.getMessage()]
+    assert len(logged) == 1 and all(fmt in logged[0] for fmt in WITHOUT_KERNEL[which])
+    model = native.llm_engine.model
+    attn = model.layers[0].self_attn
+    assert any(isinstance(m, QuantizedLinear) for m in model.modules())  # the kernel formats stayed blocks
+    assert not isinstance(attn.qkv_proj, QuantizedLinear)  # mixed q/k/v: parts, some dequantized
+    dequant = LLM(model=files[which], dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization=None)
+    ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
+    torch.testing.assert_close(_hidden(native, ids), _hidden(dequant, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_formats_without_kernel_run_under_the_default_settings(files, which, kernels):
+    """quantization="auto" (the default) on the kernels: loads, and greedy output does not
+    depend on batching."""
+    llm = LLM(model=files[which], dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + i, 40, 41 + i, 7]} for i in range(4)]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone and all(len(t) == 8 for t in together)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from pagedllm.kernels import load_cpu_kernels
+
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("CPU kernels not built here")
+    return k
