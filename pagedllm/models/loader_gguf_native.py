@@ -20,6 +20,7 @@ Two llama.cpp conventions are undone on the blocks, exactly:
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import torch
@@ -102,15 +103,21 @@ def _dequantizable(qtype: int) -> bool:
 
 
 def _log_dequantized(tensors: dict[str, _Tensor]) -> None:
-    """One line naming the tensors whose format has no integer kernel (dequantized at load)."""
-    by_type: dict[str, list[str]] = {}
+    """One line naming the tensors whose format has no integer kernel (dequantized at load), by
+    kind: "Q5_0: 81 tensors (attn_k x18, attn_q x18, ...)"."""
+    by_type: dict[str, dict[str, int]] = {}
     for t in tensors.values():
         if not t.quantized and t.qtype not in {int(f) for f in _FLOAT_TYPES}:
-            by_type.setdefault(GGMLQuantizationType(t.qtype).name, []).append(t.name)
+            kind = re.sub(r"^blk\.\d+\.", "", t.name).removesuffix(".weight")
+            kinds = by_type.setdefault(GGMLQuantizationType(t.qtype).name, {})
+            kinds[kind] = kinds.get(kind, 0) + 1
     if by_type:
         logger.warning(
-            "pagedllm: no integer kernel for %s: these tensors load dequantized to float",
-            "; ".join(f"{fmt} ({len(names)}: {', '.join(names)})" for fmt, names in sorted(by_type.items())),
+            "pagedllm: no integer kernel for these tensors' formats; they load dequantized to float: %s",
+            "; ".join(
+                f"{fmt}: {sum(k.values())} tensors ({', '.join(f'{n} x{c}' for n, c in sorted(k.items()))})"
+                for fmt, k in sorted(by_type.items())
+            ),
         )
 
 
