@@ -250,9 +250,6 @@ class PagedKVCacheManager(KVCacheManager):
     def can_swap(self) -> bool:
         return self.host_pool is not None
 
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._host_tables
-
     @staticmethod
     def _distinct(tables: list[list[int]]) -> list[int]:
         return list(dict.fromkeys(b for t in tables for b in _live(t)))
