@@ -10,7 +10,7 @@ written. The hashes themselves and the hash -> block map live in kv/block_pool.p
 from __future__ import annotations
 
 from pagedllm.kv.base import NULL_BLOCK
-from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
+from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_full_blocks
 from pagedllm.sequence import Sequence
 
 
@@ -27,12 +27,7 @@ class PrefixCacheRegistry:
     def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[BlockHash]:
         """Hashes of the full blocks among the sequence's first ``num_tokens`` tokens."""
         hashes = self._hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        tokens = seq.all_token_ids
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
-        return hashes
+        return hash_full_blocks(seq.all_token_ids, self.block_size, seq.cache_salt, hashes, num_tokens)
 
     def lookup(self, seq: Sequence) -> list[int]:
         """Blocks already holding the sequence's leading full blocks (prefix cache hits)."""
