@@ -23,8 +23,9 @@ the youngest is preempted to let the others in (else a group could wait forever 
 that does not fit).
 
 The scheduler decides and records; it never touches tensors. ``schedule()`` returns a
-SchedulerOutput of plain data for the runner; ``update_from_output()`` takes what the runner
-sampled, appends tokens, checks stops and frees finished sequences.
+SchedulerOutput of plain data for the runner (what changed since the runner was last told:
+scheduler_sync.py); ``update_from_output()`` takes what the runner sampled, appends tokens,
+checks stops and frees finished sequences.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.kv.base import NULL_BLOCK, KVCacheManager
+from pagedllm.kv.base import KVCacheManager
 from pagedllm.logprobs import Logprob
-from pagedllm.scheduler_output import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.scheduler_sync import RunnerSync
 from pagedllm.sequence import Sequence, SequenceStatus
 from pagedllm.stop import check_stop
 
@@ -65,12 +67,7 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of num_preemptions, those by swapping
-        # The block table the runner holds for each sequence, as last sent.
-        self._sent_tables: dict[str, list[int]] = {}
-        # How many leading entries of each sent table are known released (NULL_BLOCK) runner-side.
-        self._sent_released: dict[str, int] = {}
-        self._finished_ids: set[str] = set()  # gone since the last schedule()
-        self._preempted_ids: set[str] = set()
+        self.runner_sync = RunnerSync(kv_manager)  # what the runner holds of each sequence
 
     # ---- queue management ----------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -92,8 +89,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
-        self._forget_table(seq)
-        self._finished_ids.add(seq_id)
+        self.runner_sync.finished(seq_id)
         seq.status = status
         seq.finished_time = time.monotonic()
         return seq
@@ -206,7 +202,7 @@ class Scheduler:
             preempted.extend(self._preempt_youngest(out.num_scheduled_tokens, None))
             admit = True
         out.block_ops = self.kv.take_block_ops()
-        self._describe(out)
+        self.runner_sync.describe(out, self.seqs)
         return out
 
     def schedule_only(self, only: set[str]) -> SchedulerOutput:
@@ -224,63 +220,6 @@ class Scheduler:
             self.running = [r for r in running if r.seq_id not in only or id(r) in still]
             self.waiting = deque([*self.waiting, *waiting])
             self.swapped = deque([*swapped, *self.swapped])
-
-    def _describe(self, out: SchedulerOutput) -> None:
-        """Fills in what the runner needs of each scheduled sequence: all of a sequence it holds
-        no table for, else the tokens and blocks that changed since it was last sent."""
-        out.finished_seq_ids, self._finished_ids = self._finished_ids, set()
-        out.preempted_seq_ids, self._preempted_ids = self._preempted_ids, set()
-        bs = self.kv.block_size
-        for seq_id in out.num_scheduled_tokens:
-            seq = self.seqs[seq_id]
-            table = self.kv.block_table(seq_id)
-            sent = self._sent_tables.get(seq_id)
-            if sent is None:
-                out.new_seqs.append(
-                    NewSequenceData(
-                        seq_id,
-                        list(seq.all_token_ids),
-                        seq.num_prompt_tokens,
-                        list(table),
-                        seq.num_computed_tokens,
-                        seq.sampling_params,
-                        seq.seed,
-                        seq.needs_prompt_logprobs,
-                    )
-                )
-                out.preempted_seq_ids.discard(seq_id)
-            else:
-                # Only blocks from the first one this step writes can have been replaced (COW).
-                first = min(seq.num_computed_tokens // bs, len(sent))
-                replaced = [(j, table[j]) for j in range(first, len(sent)) if table[j] != sent[j]]
-                # ... and, before them, blocks released out of the sliding window (a prefix).
-                k = self._sent_released.get(seq_id, 0)
-                while k < first and table[k] == NULL_BLOCK:
-                    if sent[k] != NULL_BLOCK:
-                        replaced.append((k, NULL_BLOCK))
-                    k += 1
-                self._sent_released[seq_id] = k
-                for j, b in replaced:
-                    sent[j] = b
-                new_blocks = table[len(sent) :]
-                sent.extend(new_blocks)
-                out.cached_seqs.append(
-                    CachedSequenceData(
-                        seq_id,
-                        seq.all_token_ids[seq.num_tokens_sent :],
-                        list(new_blocks),
-                        replaced,
-                        seq.num_computed_tokens,
-                    )
-                )
-            if sent is None:
-                self._sent_released[seq_id] = 0
-            self._sent_tables[seq_id] = list(table) if sent is None else sent
-            seq.num_tokens_sent = seq.num_tokens
-
-    def _forget_table(self, seq: Sequence) -> None:
-        self._sent_tables.pop(seq.seq_id, None)
-        self._sent_released.pop(seq.seq_id, None)
 
     def _has_runnable_outside(self) -> bool:
         return any(not r.is_idle for r in self.waiting) or any(not r.is_idle for u in self.swapped for r in u)
@@ -364,8 +303,7 @@ class Scheduler:
                     self.running.remove(r)
                     r.status = SequenceStatus.SWAPPED
                     r.num_preemptions += 1
-                    self._forget_table(r)
-                    self._preempted_ids.add(r.seq_id)
+                    self.runner_sync.preempted(r.seq_id)
                 self.swapped.append(unit)
                 self.num_preemptions += len(unit)
                 self.num_swap_preemptions += len(unit)
@@ -377,8 +315,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
-        self._forget_table(seq)
-        self._preempted_ids.add(seq.seq_id)
+        self.runner_sync.preempted(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -421,8 +358,4 @@ class Scheduler:
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The runner raised on ``out``: what it holds of the scheduled sequences is unknown, so
         they are sent whole next time (computed counts did not advance)."""
-        for seq_id in out.num_scheduled_tokens:
-            self._sent_tables.pop(seq_id, None)
-            self._sent_released.pop(seq_id, None)
-        self._finished_ids |= out.finished_seq_ids
-        self._preempted_ids |= out.preempted_seq_ids
+        self.runner_sync.step_failed(out)

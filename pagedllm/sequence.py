@@ -101,10 +101,8 @@ class Sequence:
         # Seats under max_num_seqs held for sequences its owner will fork off it (n > 1: the
         # scheduler admits it only with room for them).
         self.reserved_seats = 0
-        # What the model runner already holds of this sequence: its token count, and whether
-        # its block table there is current (False: send it whole at the next schedule).
+        # How many of its tokens the model runner already holds (the scheduler sends the rest).
         self.num_tokens_sent = 0
-        self.runner_has_table = False
         # Timing, for metrics.
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

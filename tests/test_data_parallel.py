@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from test_server import ServerProcess
 
 from pagedllm.data_parallel.router import NoReplicaError, Router, block_hashes
+from pagedllm.kv.block_pool import hash_full_blocks
 
 BS = 4  # router block size in the unit tests
 
@@ -37,6 +38,19 @@ def test_block_hashes_chain_and_skip_the_partial_block():
     assert block_hashes(prompt(1, 2, 7), BS)[:2] == a
     # the same block after a different prefix is a different hash: the chain covers the prefix
     assert block_hashes(prompt(3, 2), BS)[1] != a[1]
+
+
+def test_block_hashes_are_the_engines_unsalted_chain():
+    ids = prompt(1, 2, 3, tail=1)
+    assert block_hashes(ids, BS) == [h.digest() for h in hash_full_blocks(ids, BS)]
+
+
+def test_a_prompt_the_replica_refuses_is_routed_by_load():
+    r = Router(2, BS)
+    for bad in ([2**70] * (2 * BS), [1.5] * (2 * BS)):  # not 64-bit integers: nothing to hash
+        assert block_hashes(bad, BS) == []
+        d = r.route(bad)
+        assert (d.reason, d.matched_tokens) == ("least_loaded", 0)
 
 
 def test_longest_prefix_wins():

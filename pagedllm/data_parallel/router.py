@@ -8,9 +8,13 @@ does with its approximate radix tree: per replica, the chained hashes of the ful
 prompts it routed there, in a bounded LRU (a replica evicts blocks too; the bound keeps the
 router's memory flat and forgets what the replica has most likely evicted).
 
-A block's hash covers its tokens and the hash of the block before it (as the engine's own prefix
-cache chains them, kv/block_pool.py), so "the first k hashes match" means "the first k blocks of
-tokens are equal", and the longest match is found with one set lookup per block.
+A block's hash is the engine's own (kv/block_pool.py's ``hash_full_blocks``: SHA-256 over its
+tokens and the hash of the block before it), kept as its 32-byte digest, so "the first k hashes
+match" means "the first k blocks of tokens are equal", and the longest match is found with one
+set lookup per block. The engine also chains in a sequence's cache salt, which its model derives
+from the prompt (Phi-3's LongRoPE: whether the prompt is long); the router holds no model and is
+given only token ids, so it hashes without one. Prompts that differ only in salt then look alike
+to it, which at worst sends a request where the replica's prefix cache misses.
 
 The decision, per request (SGLang's thresholds, same meaning):
 1. if the in-flight load is imbalanced (max - min > ``balance_abs_threshold`` and
@@ -35,6 +39,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.kv.block_pool import hash_full_blocks
+
 POLICIES = ("prefix", "round_robin")
 
 
@@ -49,18 +55,17 @@ class RouteDecision:
     reason: str  # "prefix" | "least_loaded" | "imbalanced" | "round_robin"
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks: the k-th depends on blocks 0..k.
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Digests of the chained hashes of the prompt's full blocks, as the engine hashes them
+    (without a cache salt): the k-th depends on blocks 0..k.
 
-    Python's hash of a tuple of ints is deterministic across runs and processes (no hash
-    randomization for ints), and a collision only costs one misrouted request.
+    No hashes for a prompt whose ids are not all 64-bit integers: the router sees a prompt before
+    the replica validates it, and such a prompt is routed by load alone, for the replica to refuse.
     """
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
+    try:
+        return [h.digest() for h in hash_full_blocks(token_ids, block_size)]
+    except (TypeError, OverflowError):
+        return []
 
 
 class _BlockRecord:
@@ -68,12 +73,12 @@ class _BlockRecord:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, hashes: list[int]) -> int:
+    def match(self, hashes: list[bytes]) -> int:
         """How many leading blocks are recorded."""
         n = 0
         for h in hashes:
@@ -82,7 +87,7 @@ class _BlockRecord:
             n += 1
         return n
 
-    def add(self, hashes: list[int]) -> None:
+    def add(self, hashes: list[bytes]) -> None:
         for h in hashes:
             self._blocks[h] = None
             self._blocks.move_to_end(h)

@@ -61,9 +61,11 @@ class KVCacheManager(abc.ABC):
     """Maps each request's tokens to physical KV slots.
 
     The scheduler calls ``allocate_slots`` before a sequence runs ``num_new_tokens`` more tokens,
-    and ``free`` when it finishes or is preempted. The runner reads ``block_table``:
-    token position p of a sequence lives in slot ``block_table[p // block_size] * block_size +
-    p % block_size`` of the physical cache.
+    and ``free`` when it finishes or is preempted. Only the scheduler reads ``block_table``: it
+    sends each table to the runner in its SchedulerOutputs (whole, then what changed:
+    scheduler_sync.py), and the runner keeps its own copy (runner/block_table.py), never asking a
+    manager. Token position p of a sequence lives in slot ``block_table[p // block_size] *
+    block_size + p % block_size`` of the physical cache.
     """
 
     block_size: int

@@ -50,6 +50,24 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: 
     return BlockHash(None if salt is None else hashlib.sha256(salt).digest(), tuple(token_ids))
 
 
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: bytes | None = None,
+    hashes: list[BlockHash] | None = None,
+    num_tokens: int | None = None,
+) -> list[BlockHash]:
+    """The chained hashes of the full blocks among the first ``num_tokens`` of ``token_ids`` (all
+    of them by default): the k-th covers ``salt`` and blocks 0..k. ``hashes``: those of the
+    leading blocks already computed, extended in place (and returned)."""
+    hashes = [] if hashes is None else hashes
+    end = len(token_ids) if num_tokens is None else num_tokens
+    for i in range(len(hashes), end // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
+    return hashes
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:

@@ -7,6 +7,10 @@ shared: ``allocate_slots`` sees that (refcount > 1 on a block the step writes in
 writer a fresh block and records a (src, dst) copy, which the runner executes before the forward.
 The last holder of a shared block writes into it in place, so k sharers make k - 1 copies.
 
+Prefix cache: a sequence admitted with leading full blocks some block already holds takes those
+blocks; its own full blocks are registered once their K/V is written. The per-sequence hashes
+and registration are kv/prefix_cache.py's, the hash -> block map kv/block_pool.py's.
+
 Swapping: ``swap_out`` moves a set of sequences' blocks into a second BlockPool whose blocks live
 in host memory (a block shared inside the set is copied once and stays shared there), and
 ``swap_in`` brings them back into fresh device blocks. The moves are recorded as BlockOps too.
@@ -30,7 +34,8 @@ import numpy as np
 
 from pagedllm.kv import block_view
 from pagedllm.kv.base import NULL_BLOCK, BlockOp, KVCacheManager, KVCacheStats
-from pagedllm.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
+from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.prefix_cache import PrefixCacheRegistry
 from pagedllm.sequence import Sequence
 from pagedllm.utils import cdiv
 
@@ -54,13 +59,10 @@ class PagedKVCacheManager(KVCacheManager):
         self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_cache = PrefixCacheRegistry(self.pool, block_size, enable_prefix_caching)
         self._tables: dict[str, list[int]] = {}
         # Tokens each request's table was sized for (its slots in use after the step runs).
         self._num_tokens: dict[str, int] = {}
-        # Hashes of the request's full blocks, computed once and extended as it grows.
-        self._hashes: dict[str, list[BlockHash]] = {}
-        # How many leading blocks of the request are registered in the prefix cache.
-        self._num_cached: dict[str, int] = {}
         # Copies and swaps recorded since the scheduler last took them, in order.
         self._ops: list[BlockOp] = []
         # Host-memory pool for swapped-out sequences (enable_swap), and their tables in it.
@@ -74,29 +76,10 @@ class PagedKVCacheManager(KVCacheManager):
         self.num_released_blocks = 0
 
     # ---- prefix cache --------------------------------------------------------------------
-    def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[BlockHash]:
-        """Hashes of the full blocks among the request's first ``num_tokens`` tokens."""
-        hashes = self._hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        tokens = seq.all_token_ids
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], seq.cache_salt))
-        return hashes
-
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching or seq.seq_id in self._tables:
+        if seq.seq_id in self._tables:
             return []
-        # Never the block holding the last token: that token must run through the model to give
-        # the logits the next token is sampled from.
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for h in self._block_hashes(seq, max_blocks * self.block_size)[:max_blocks]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return self.prefix_cache.lookup(seq)
 
     def prefix_cache_stats(self) -> tuple[int, int]:
         return self.pool.num_cache_queries, self.pool.num_cache_hits
@@ -129,7 +112,7 @@ class PagedKVCacheManager(KVCacheManager):
             return False
         if rid not in self._tables:
             self._tables[rid] = table
-            self._num_cached[rid] = len(cached_blocks)
+            self.prefix_cache.admitted(rid, len(cached_blocks))
         self.pool.touch(cached_blocks)
         table.extend(cached_blocks)
         if cow:
@@ -153,29 +136,16 @@ class PagedKVCacheManager(KVCacheManager):
 
         Called after the step that wrote them, never at allocation: a step that fails leaves
         no hash of KV that was never written."""
-        if not self.enable_prefix_caching:
-            return
-        rid = seq.seq_id
-        if rid not in self._tables:
-            return
-        num_full = min(seq.num_computed_tokens, self._num_tokens[rid]) // self.block_size
-        start = self._num_cached[rid]
-        if num_full <= start:
-            return
-        hashes = self._block_hashes(seq, num_full * self.block_size)
-        table = self._tables[rid]
-        for i in range(start, num_full):
-            if table[i] != NULL_BLOCK:  # released (a table swapped back in registers again from 0)
-                self.pool.cache_block(table[i], hashes[i])
-        self._num_cached[rid] = num_full
+        table = self._tables.get(seq.seq_id)
+        if table is not None:
+            self.prefix_cache.register(seq, table, self._num_tokens[seq.seq_id])
 
     def free(self, seq: Sequence) -> None:
         rid = seq.seq_id
         table = self._tables.pop(rid, None)
         host_table = self._host_tables.pop(rid, None)
         self._num_tokens.pop(rid, None)
-        self._num_cached.pop(rid, None)
-        self._hashes.pop(rid, None)
+        self.prefix_cache.forget(rid)
         if table:
             self.pool.free(_live(reversed(table)))
         if host_table:
@@ -222,8 +192,7 @@ class PagedKVCacheManager(KVCacheManager):
         tables[cid] = list(tables[pid][: cdiv(num_tokens, self.block_size)])
         pool.touch(_live(tables[cid]))
         self._num_tokens[cid] = num_tokens
-        self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
-        self._num_cached[cid] = min(self._num_cached.get(pid, 0), num_full)
+        self.prefix_cache.fork(pid, cid, num_full)
         return True
 
     def _record(self, kind: str, pairs: list[tuple[int, int]]) -> None:
@@ -249,9 +218,6 @@ class PagedKVCacheManager(KVCacheManager):
     @property
     def can_swap(self) -> bool:
         return self.host_pool is not None
-
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._host_tables
 
     @staticmethod
     def _distinct(tables: list[list[int]]) -> list[int]:
@@ -300,7 +266,7 @@ class PagedKVCacheManager(KVCacheManager):
             self.num_swapped_in_blocks += self._num_distinct(self._tables, seqs)
             for r in seqs:
                 # The new device blocks are not in the prefix cache yet: register them again.
-                self._num_cached[r.seq_id] = 0
+                self.prefix_cache.moved(r.seq_id)
         return ok
 
     def _num_distinct(self, tables: dict[str, list[int]], seqs: list[Sequence]) -> int:

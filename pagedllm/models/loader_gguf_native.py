@@ -35,9 +35,6 @@ from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
-_FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3)}
-_FUSED |= {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
-
 
 class _Tensor:
     """One GGUF tensor in torch order: ``data`` [N, row_bytes] uint8 (quantized) or float [N, K] / [N];
