@@ -30,8 +30,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.client import EngineClient
+from pagedllm.engine.request_stream import EngineDeadError
 from pagedllm.entrypoints.openai.kv_view import add_kv_view_routes
 from pagedllm.entrypoints.openai.protocol import (
     APIError,

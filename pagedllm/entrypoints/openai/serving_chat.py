@@ -11,9 +11,9 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,

@@ -16,8 +16,8 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.engine.client import EngineClient, OutputStream
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import (
     _FIELDS,
     APIError,
