@@ -33,15 +33,14 @@ import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.client import EngineClient
 from pagedllm.engine.request_stream import EngineDeadError
+from pagedllm.entrypoints.openai.errors import APIError, validation_error_message
 from pagedllm.entrypoints.openai.kv_view import add_kv_view_routes
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ServerLimits,
     TokenizeRequest,
-    validation_error_message,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
