@@ -1,4 +1,4 @@
-"""ServerLimits: what one request may cost the server before it is refused.
+"""ServerLimits and the body-size cap: what one request may cost the server before it is refused.
 
 Its own module because the caps are configuration, shared by the command line (cli.py), the app
 factory (api_server.py) and the serving layer that enforces them (serving_engine.py).
@@ -7,6 +7,9 @@ factory (api_server.py) and the serving layer that enforces them (serving_engine
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The request body's size cap (BodyLimitMiddleware, middleware.py): --max-request-body-bytes.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
 @dataclass
