@@ -10,7 +10,8 @@ import time
 import pytest
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

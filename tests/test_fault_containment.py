@@ -13,7 +13,8 @@ import random
 import pytest
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestFailedError
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.request_stream import RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

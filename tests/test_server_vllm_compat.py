@@ -12,7 +12,8 @@ import pytest
 from test_server import ServerProcess
 from transformers import AutoTokenizer
 
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, to_sampling_params
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.sampling import to_sampling_params
 
 MODEL = "tiny-vllm"
 KEY = "sk-compat"

@@ -28,9 +28,9 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.data_parallel.replica import EngineReplica
 from pagedllm.data_parallel.router import NoReplicaError, Router
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.intake import PromptType
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer

@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.intake import PromptType
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.sampling_params import SamplingParams
 
 _REFUSALS = (ValueError, TypeError, NotImplementedError, EngineDeadError)

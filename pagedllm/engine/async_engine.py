@@ -7,8 +7,8 @@ the GIL inside its kernels, so the loop stays responsive while the engine comput
 Thread safety: the LLMEngine is touched by the engine thread only. Other threads talk to it
 through a command queue (add / abort / queries such as stats) that the engine thread drains between steps, so no
 lock is held across a forward pass and an abort frees its KV blocks before the very next step.
-Outputs go back to each request's own asyncio.Queue through ``loop.call_soon_threadsafe`` (one
-call per step and event loop, not one per token).
+Outputs go back to each request's own RequestStream (request_stream.py) through
+``loop.call_soon_threadsafe`` (one call per step and event loop, not one per token).
 
 When no request is unfinished the thread sleeps on a threading.Event that every command sets:
 no busy polling.
@@ -38,6 +38,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,78 +47,6 @@ logger = logging.getLogger("pagedllm.async_engine")
 # Called in the engine thread for every output of every step: (output, time of this request's
 # previous token or None if this is its first). Used for latency histograms; must be cheap.
 OutputHook = Callable[[RequestOutput, float | None], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, shut down, or crashed)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine raised while this request was in flight; the request was aborted."""
-
-
-class RequestStream:
-    """Async iterator over one request's RequestOutputs; the last one has finished=True.
-
-    Outputs are cumulative (each holds all text and tokens so far), so an output the consumer has
-    not read yet is simply replaced by the next one: a slow client gets fewer, larger updates and
-    holds at most one pending output, however far behind it is.
-
-    Iteration ends after the finished output, or at once after ``abort()``; it raises
-    RequestFailedError / EngineDeadError if the engine failed the request.
-    """
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, engine: AsyncLLMEngine) -> None:
-        self.request_id = request_id
-        self._loop = loop
-        self._engine = engine
-        self._latest: RequestOutput | None = None  # delivered, not yet read
-        self._error: BaseException | None = None
-        self._closed = False  # nothing more to read after what is pending
-        self._event = asyncio.Event()
-        self.finished = False  # no more outputs will come: finished, failed or aborted
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
-        if self._closed:
-            return  # aborted by the consumer: late outputs are dropped
-        if isinstance(item, BaseException):
-            self._error = item
-            self.finished = True
-        else:
-            self._latest = item
-            self.finished = self.finished or item.finished
-        self._event.set()
-
-    def abort(self) -> None:
-        """Stops the request (idempotent, non-blocking): its KV blocks are freed before the next step.
-
-        Call it on the stream's event loop.
-        """
-        if not self.finished:
-            self._engine.abort(self.request_id)
-        self.finished = True
-        self._closed = True
-        self._latest = None
-        self._event.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                if out.finished:
-                    self._closed = True
-                return out
-            if self._error is not None:
-                err, self._error = self._error, None
-                self._closed = True
-                raise err
-            if self._closed:
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
 
 
 class AsyncLLMEngine:

@@ -1,46 +1,61 @@
-"""The OpenAI-compatible HTTP server: FastAPI app, middleware, routes, and ``run_server``.
+"""The OpenAI-compatible HTTP server: the FastAPI app with its routes (``build_app``), and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize (bearer auth
 when an API key is set), /health, /version, /metrics (Prometheus), /stats (JSON engine stats),
 /kv (a live view of the KV cache) and /kv/blocks (its data: kv_view.py).
 
-Every error is answered in OpenAI's shape with a 4xx status when the input is at fault; FastAPI's
-422 validation errors become 400s, as OpenAI clients expect.
+Every error is answered in OpenAI's shape with a 4xx status when the input is at fault
+(error_handlers.py; middleware.py for API keys, Host headers and body sizes); FastAPI's 422
+validation errors become 400s, as OpenAI clients expect. What the OpenAPI document says of the
+responses is openapi_docs.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.client import EngineClient
+from pagedllm.engine.request_stream import EngineDeadError
+from pagedllm.entrypoints.openai.error_handlers import ErrorResponse, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.kv_view import add_kv_view_routes
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
+from pagedllm.entrypoints.openai.middleware import (
+    AllowedHostsMiddleware,
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    parse_api_keys,
+)
+from pagedllm.entrypoints.openai.openapi_docs import (
+    AUTH_ERRORS,
+    ENGINE_ERRORS,
+    REQUEST_ERRORS,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorBody,
+    TokenizeResponse,
+    error_doc,
+    generation_ok,
+    openapi_without_422,
+)
 from pagedllm.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ServerLimits,
     TokenizeRequest,
-    validation_error_message,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -51,278 +66,7 @@ from pagedllm.metrics import ServerMetrics
 from pagedllm.tokenizer import load_tokenizer, shareable_across_threads
 
 logger = logging.getLogger("pagedllm.server")
-
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-_BODY_METHODS = {"POST", "PUT", "PATCH"}
-
-
-class ErrorResponse(JSONResponse):
-    """JSON with non-ASCII escaped: an error message can quote input, and escaping can never fail
-    to encode (Starlette's JSONResponse encodes UTF-8, which a stray surrogate breaks)."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content).encode()
-
-
-async def _send_json(send: Any, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-# Routes any client may call without a key: load balancers and orchestrators probe /health; the
-# /kv page is static and holds no data (its script reads /kv/blocks with the key).
-PUBLIC_PATHS = frozenset({"/health", "/kv"})
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
-class AuthMiddleware:
-    """Bearer-token check on every route but PUBLIC_PATHS (and /metrics unless ``metrics_require_key``),
-    before the body is read (so 401 beats 400/413). Any of several keys is accepted."""
-
-    def __init__(self, app: Any, api_keys: list[str], metrics_require_key: bool = False) -> None:
-        self.app = app
-        self.expected = [f"Bearer {k}".encode() for k in api_keys]
-        self.public = PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            # Every key is compared (no early exit): the time taken says nothing about which matched.
-            ok = [secrets.compare_digest(got, e) for e in self.expected]
-            if not any(ok):
-                err = APIError(
-                    "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
-                    401,
-                    code="invalid_api_key",
-                )
-                await _send_json(send, 401, err.to_dict())
-                return
-        await self.app(scope, receive, send)
-
-
-class AllowedHostsMiddleware:
-    """400 unless the Host header names an allowed host: a page on another site cannot reach a
-    loopback server through DNS rebinding (its requests carry the attacker's host name)."""
-
-    def __init__(self, app: Any, allowed_hosts: list[str]) -> None:
-        self.app = app
-        self.allowed = {h.lower().strip("[]") for h in allowed_hosts}
-
-    @staticmethod
-    def _hostname(host: str) -> str:
-        if host.startswith("["):  # [::1]:8000
-            return host[1 : host.find("]")] if "]" in host else host
-        return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if self._hostname(host).lower() not in self.allowed:
-                err = APIError("Invalid Host header.", 400, code="invalid_host")
-                await _send_json(send, 400, err.to_dict())
-                return
-        await self.app(scope, receive, send)
-
-
-def parse_api_keys(values: list[str] | str | None) -> list[str]:
-    """Keys from repeated and/or comma-separated values; empty entries dropped."""
-    if values is None:
-        return []
-    if isinstance(values, str):
-        values = [values]
-    return [k.strip() for v in values for k in v.split(",") if k.strip()]
-
-
-class BodyLimitMiddleware:
-    """413 for a request body over ``max_bytes``, by Content-Length and by the bytes actually sent.
-
-    The body is read here (so a chunked upload cannot slip past the header check) and replayed to
-    the app; later receive() calls go to the server, so disconnects are still seen. An oversized
-    body is drained up to a cap before answering so the client reads the 413 rather than a reset.
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.drain_cap = 8 * max_bytes
-
-    def _error(self, size: int | None) -> dict:
-        got = f"{size} bytes" if size is not None else f"more than {self.max_bytes} bytes"
-        return APIError(
-            f"Request body too large: {got}; the limit is {self.max_bytes} bytes.",
-            413,
-            code="request_too_large",
-        ).to_dict()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        size: int | None = None
-        if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
-                await _send_json(send, 400, APIError("Invalid Content-Length header.").to_dict())
-                return
-            if size > self.drain_cap:
-                await _send_json(send, 413, self._error(size))
-                return
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            total += len(body)
-            if total <= self.max_bytes:
-                chunks.append(body)
-            elif total > self.drain_cap:
-                break
-            if not message.get("more_body", False):
-                break
-        if total > self.max_bytes:
-            await _send_json(send, 413, self._error(size if size is not None else total))
-            return
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error shape, which every error response of this server has."""
-
-    error: ErrorDetail
-
-
-# ---- 200 bodies, for the OpenAPI document only (the routes build plain dicts) -------------------
-# What a client generator or a fuzzer checks a response against (tests/test_openapi_fuzz.py runs
-# Schemathesis' response_schema_conformance on them). Logprobs stay free-form objects: their shape
-# follows OpenAI's and vLLM's, which differ by endpoint.
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: int | str | None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None  # only when the request asks for them
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: int | str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: list[dict[str, Any] | None] | None = None  # only when the request asks for them
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-def _generation_ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    return {
-        200: {
-            "model": model,
-            "description": 'The completion; with `"stream": true`, server-sent events of chunks ending in `[DONE]`.',
-            "content": {"text/event-stream": {}},
-        }
-    }
-
-
-def _err(description: str) -> dict:
-    return {"model": ErrorBody, "description": description}
-
-
-_AUTH_ERRORS: dict[int | str, dict[str, Any]] = {401: _err("Missing or incorrect API key (when the server has one).")}
-_ENGINE_ERRORS: dict[int | str, dict[str, Any]] = {503: _err("The engine is not running.")}
-_REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _err("Invalid request: the message names the field (`param`)."),
-    **_AUTH_ERRORS,
-    404: _err("Unknown model."),
-    413: _err("Request body too large."),
-    500: _err("The engine failed on this request (details in the server log)."),
-    **_ENGINE_ERRORS,
-}
-
-
-def _openapi_without_422(app: FastAPI) -> dict:
-    """FastAPI documents its validation errors as 422 with its own shape; this server answers them
-    as 400 in OpenAI's shape (documented per route), so the 422s go."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for ops in schema.get("paths", {}).values():
-            for op in ops.values():
-                op.get("responses", {}).pop("422", None)
-        schemas = schema.get("components", {}).get("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            schemas.pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
 
 
 def build_app(
@@ -385,30 +129,9 @@ def build_app(
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
 
-    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_without_422(app)  # type: ignore[method-assign]
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return ErrorResponse(exc.to_dict(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_error_message(list(exc.errors()))
-        return ErrorResponse(APIError(message, 400, param=param).to_dict(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ErrorResponse(
-            APIError(str(exc.detail), exc.status_code).to_dict(),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
-
-    @app.exception_handler(Exception)
-    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
-        # The exception's text is ours, not the client's business (and may quote other requests): log only.
-        logger.exception("unhandled error on %s", request.url.path)
-        return ErrorResponse(APIError("Internal server error.", 500).to_dict(), status_code=500)
+    install_error_handlers(app)
 
     async def engine_stats() -> dict:
         try:
@@ -430,11 +153,11 @@ def build_app(
             return ErrorResponse(APIError(problem, 503).to_dict(), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/version", responses=_AUTH_ERRORS)
+    @app.get("/version", responses=AUTH_ERRORS)
     async def version() -> dict:
         return {"version": pagedllm.__version__}
 
-    @app.get("/stats", responses={**_AUTH_ERRORS, **_ENGINE_ERRORS})
+    @app.get("/stats", responses={**AUTH_ERRORS, **ENGINE_ERRORS})
     async def stats() -> dict:
         return await engine_stats()  # with the step-failure counters (per replica under data parallelism)
 
@@ -446,15 +169,17 @@ def build_app(
         except EngineDeadError as e:
             raise APIError("The engine is not running.", 503) from e
 
-    add_kv_view_routes(app, kv_blocks, {400: _err("No such data-parallel replica."), **_AUTH_ERRORS, **_ENGINE_ERRORS})
+    add_kv_view_routes(
+        app, kv_blocks, {400: error_doc("No such data-parallel replica."), **AUTH_ERRORS, **ENGINE_ERRORS}
+    )
 
     @app.get(
         "/metrics",
         response_class=Response,
         responses={
             200: {"description": "Prometheus text exposition.", "content": {CONTENT_TYPE_LATEST: {}}},
-            **_AUTH_ERRORS,
-            **_ENGINE_ERRORS,
+            **AUTH_ERRORS,
+            **ENGINE_ERRORS,
         },
     )
     async def prometheus_metrics() -> Response:
@@ -465,7 +190,7 @@ def build_app(
             metrics.update_engine_stats(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_AUTH_ERRORS)
+    @app.get("/v1/models", responses=AUTH_ERRORS)
     async def models() -> dict:
         return {
             "object": "list",
@@ -483,19 +208,19 @@ def build_app(
             ],
         }
 
-    @app.post("/v1/completions", responses={**_generation_ok(CompletionResponse), **_REQUEST_ERRORS})
+    @app.post("/v1/completions", responses={**generation_ok(CompletionResponse), **REQUEST_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         return await completions.create_completion(body, raw_request)
 
-    @app.post("/v1/chat/completions", responses={**_generation_ok(ChatCompletionResponse), **_REQUEST_ERRORS})
+    @app.post("/v1/chat/completions", responses={**generation_ok(ChatCompletionResponse), **REQUEST_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)
 
-    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_REQUEST_ERRORS})
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **REQUEST_ERRORS})
     async def tokenize(body: TokenizeRequest) -> dict:
         return await tokenization.tokenize(body)
 
-    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_REQUEST_ERRORS})
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **REQUEST_ERRORS})
     async def detokenize(body: DetokenizeRequest) -> dict:
         return await tokenization.detokenize(body)
 

@@ -13,8 +13,7 @@ import uvicorn  # noqa: F401, E402  isort: skip
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES
-    from pagedllm.entrypoints.openai.protocol import ServerLimits
+    from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
     from pagedllm.entrypoints.openai.tool_parsers import PARSERS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

@@ -11,15 +11,12 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
-from pagedllm.entrypoints.openai.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    ChatMessage,
-    to_sampling_params,
-)
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.sampling import to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.streaming import (
     AbortOnCloseStreamingResponse,

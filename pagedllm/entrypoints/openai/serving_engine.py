@@ -16,15 +16,12 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.engine.client import EngineClient, OutputStream
-from pagedllm.entrypoints.openai.protocol import (
-    _FIELDS,
-    APIError,
-    ServerLimits,
-    _SamplingRequest,
-    error_from_value_error,
-)
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
+from pagedllm.entrypoints.openai.errors import APIError, error_from_value_error
+from pagedllm.entrypoints.openai.limits import ServerLimits
+from pagedllm.entrypoints.openai.protocol import _SamplingRequest
+from pagedllm.entrypoints.openai.sampling import _FIELDS
 from pagedllm.entrypoints.openai.streaming import ClientDisconnected, abort_all, merge_streams, sse, wait_for_disconnect
 from pagedllm.logprobs import Logprob
 from pagedllm.outputs import RequestOutput

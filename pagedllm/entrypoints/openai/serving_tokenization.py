@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import APIError
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.structured_output import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

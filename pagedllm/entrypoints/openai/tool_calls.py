@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import APIError
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
 from pagedllm.structured_output import StructuredOutputsParams
 

@@ -1,0 +1,27 @@
+"""ServerLimits and the body-size cap: what one request may cost the server before it is refused.
+
+Its own module because the caps are configuration, shared by the command line (cli.py), the app
+factory (api_server.py) and the serving layer that enforces them (serving_engine.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The request body's size cap (BodyLimitMiddleware, middleware.py): --max-request-body-bytes.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+
+@dataclass
+class ServerLimits:
+    """Per-request caps, each a `pagedllm serve` flag (see cli.py). They bound the work and memory one
+    request can cost the server before it is rejected with a 400 naming the field."""
+
+    max_prompts_per_request: int = 256
+    max_seqs_per_request: int = 1024  # prompts x max(n, best_of)
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_messages: int = 2048
+    # prompt tokens + sequences x max_tokens, summed over the prompts; None: the KV cache's capacity
+    max_request_tokens: int | None = None
