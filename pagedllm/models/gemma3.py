@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
-from pagedllm.models.llama import Attention, LlamaForCausalLM, layer_windows
+from pagedllm.models.attention_windows import layer_windows
+from pagedllm.models.llama import Attention, LlamaForCausalLM
 from pagedllm.models.rope import RotaryEmbedding
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -19,6 +19,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import attend, paged_attention, timing_attention
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.models.attention_windows import layer_windows
 from pagedllm.models.rope import RotaryEmbedding, apply_rope
 from pagedllm.models.weight_copy import check_all_loaded, copy_weight
 
@@ -387,26 +388,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen2's decoder without the q/k/v biases (unless attention_bias), with q_norm / k_norm."""
 
     qk_norm = True
-
-
-def layer_windows(cfg) -> list[int | None]:
-    """Each layer's sliding attention window (None: that layer attends to the whole context), as
-    transformers reads the config: ``layer_types`` ("sliding_attention" / "full_attention") where
-    given; else Qwen2's ``use_sliding_window`` with ``max_window_layers`` (layers from that index
-    on are windowed); else Mistral's ``sliding_window`` for every layer."""
-    n = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None)
-    if window is None or getattr(cfg, "use_sliding_window", True) is False:
-        return [None] * n
-    window = int(window)
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    first = getattr(cfg, "max_window_layers", None) if hasattr(cfg, "use_sliding_window") else None
-    return [window if first is None or i >= first else None for i in range(n)]
-
-
-def sliding_window(cfg) -> int | None:
-    """The smallest attention window any layer uses, or None if every layer attends to all."""
-    windows = [w for w in layer_windows(cfg) if w is not None]
-    return min(windows) if windows else None
