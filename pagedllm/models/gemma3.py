@@ -15,8 +15,8 @@ modeling_gemma3 computes them:
   positions (paged_attention's window), the full ones to the whole sequence.
 
 It runs the plain PyTorch layers; attention goes through paged_attention, so the compiled
-attention kernels serve it where the runner chose them. llama.py's fused CPU layer loop is not
-used: it assumes Llama's norms and silu.
+attention kernels serve it where the runner chose them. The fused CPU layer loop
+(fused_cpu_decoder.py) is not used: it assumes Llama's norms and silu.
 """
 
 from __future__ import annotations
