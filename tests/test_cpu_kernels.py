@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.paged_attention import write_kv_cache
 from pagedllm.kernels import load_cpu_kernels
-from pagedllm.models.llama import apply_rope
+from pagedllm.models.rope import apply_rope
 from pagedllm.sampler import Sampler
 
 kernels = load_cpu_kernels()

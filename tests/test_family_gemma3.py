@@ -84,7 +84,7 @@ def test_rope_tables_equal_transformers_per_layer_type(tiny_model_dirs):
     from transformers import AutoConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    from pagedllm.models.llama import RotaryEmbedding
+    from pagedllm.models.rope import RotaryEmbedding
 
     cfg = AutoConfig.from_pretrained(tiny_model_dirs["gemma3"])
     hf = Gemma3RotaryEmbedding(cfg)

@@ -98,7 +98,7 @@ def test_rope_tables_equal_transformers(tiny_model_dirs, family):
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from pagedllm.models.llama import RotaryEmbedding
+    from pagedllm.models.rope import RotaryEmbedding
 
     cfg = AutoConfig.from_pretrained(tiny_model_dirs[family])
     ours = RotaryEmbedding(cfg, 300)

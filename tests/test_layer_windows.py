@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.models.llama import layer_windows, sliding_window
+from pagedllm.models.attention_windows import layer_windows, sliding_window
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,11 +8,12 @@ import torch
 from gguf_models import write_gguf
 
 from pagedllm.engine.builder import eos_token_ids, resolve_max_model_len
-from pagedllm.models.llama import RotaryEmbedding, sliding_window
+from pagedllm.models.attention_windows import sliding_window
 from pagedllm.models.loader import load_hf_config, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig, read_plain_config
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.resolve import default_model_gguf_path, resolve_model_path
+from pagedllm.models.rope import RotaryEmbedding
 from pagedllm.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pagedllm.attention.paged_attention as pa
-import pagedllm.models.llama as llama
+import pagedllm.models.fused_cpu_decoder as fused_cpu_decoder
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.cpu_linear import PackedLinear
 
@@ -45,7 +45,7 @@ def timed_gemm(method):  # counted by the rows of x
 PackedLinear.forward = timed_gemm(PackedLinear.forward)
 PackedLinear.silu_and_mul = timed_gemm(PackedLinear.silu_and_mul)
 pa._prefill = timed(pa._prefill, "prefill attention (SDPA)")
-llama.attend = timed(llama.attend, "attention, all")
+fused_cpu_decoder.attend = timed(fused_cpu_decoder.attend, "attention, all")
 
 
 class TimedKernels:

@@ -15,8 +15,8 @@ modeling_gemma3 computes them:
   positions (paged_attention's window), the full ones to the whole sequence.
 
 It runs the plain PyTorch layers; attention goes through paged_attention, so the compiled
-attention kernels serve it where the runner chose them. llama.py's fused CPU layer loop is not
-used: it assumes Llama's norms and silu.
+attention kernels serve it where the runner chose them. The fused CPU layer loop
+(fused_cpu_decoder.py) is not used: it assumes Llama's norms and silu.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
-from pagedllm.models.llama import Attention, LlamaForCausalLM, RotaryEmbedding, layer_windows
+from pagedllm.models.attention_windows import layer_windows
+from pagedllm.models.llama import Attention, LlamaForCausalLM
+from pagedllm.models.rope import RotaryEmbedding
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

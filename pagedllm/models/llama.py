@@ -1,26 +1,24 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Numerics follow Hugging Face transformers (RMSNorm in fp32, RoPE tables from transformers' own
-rope-init functions) so greedy output matches it token for token in fp32. q/k/v and gate/up
-projections are fused into one matmul each: fewer, larger GEMMs are faster on every device.
+rope-init functions: models/rope.py) so greedy output matches it token for token in fp32. q/k/v
+and gate/up projections are fused into one matmul each: fewer, larger GEMMs are faster on every
+device.
 """
 
 from __future__ import annotations
-
-import logging
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_attention import attend, paged_attention, timing_attention
+from pagedllm.attention.paged_attention import paged_attention
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.models.attention_windows import layer_windows
+from pagedllm.models.fused_cpu_decoder import enable_fused_decoder, forward_fused
+from pagedllm.models.rope import RotaryEmbedding, apply_rope
 from pagedllm.models.weight_copy import check_all_loaded, copy_weight
-
-logger = logging.getLogger("pagedllm")
 
 
 class RMSNorm(nn.Module):
@@ -36,102 +34,6 @@ class RMSNorm(nn.Module):
             return self.weight * x
         # low precision: one fused kernel (fp32 accumulation inside) instead of five ops
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_len, computed as transformers computes them.
-
-    The kernels and ``tables`` index them by table row: ``table_rows`` maps this step's positions
-    to rows (the position itself here; a family whose RoPE varies per sequence keeps several
-    tables in one and offsets the rows, see models/phi3.py).
-
-    ``layer_type``: for configs whose ``rope_parameters`` hold one dict per layer type (Gemma 3:
-    "sliding_attention", "full_attention"), the type whose parameters make this table."""
-
-    def __init__(self, hf_config, max_len: int, layer_type: str | None = None) -> None:
-        super().__init__()
-        self.max_len = max_len
-        self.layer_type = layer_type
-        cos, sin = self._build_tables(hf_config, max_len)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        self._bf16: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def _build_tables(self, hf_config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rope_type = _rope_type(hf_config, self.layer_type)
-        if rope_type in ("dynamic", "longrope"):
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
-        inv_freq, attention_scaling = _rope_inv_freq(hf_config, rope_type, self.layer_type)
-        return rope_cos_sin(inv_freq, attention_scaling, max_len)
-
-    def table_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The table row of each token of the step: its position."""
-        return positions
-
-    def bf16_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole cos/sin tables in bf16 (the fused CPU RoPE kernel indexes them itself), made once."""
-        if self._bf16 is None:
-            self._bf16 = (self.cos.to(torch.bfloat16).contiguous(), self.sin.to(torch.bfloat16).contiguous())
-        return self._bf16
-
-    def f32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole cos/sin tables in float32 for the fused CPU RoPE kernel: the tables themselves,
-        whose rows the float32 reference path uses as they are."""
-        return self.cos.contiguous(), self.sin.contiguous()
-
-    def kernel_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused CPU RoPE kernel's tables for activations of ``dtype`` (bf16 or float32)."""
-        return self.bf16_tables() if dtype == torch.bfloat16 else self.f32_tables()
-
-    def tables(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of this step's table rows (``table_rows``), [T, 1, D], looked up once for all layers."""
-        return self.cos[rows].to(dtype).unsqueeze(1), self.sin[rows].to(dtype).unsqueeze(1)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, attention_scaling: float, num_positions: int):
-    """cos/sin [num_positions, 2 * len(inv_freq)] for positions 0.., in transformers' float32 formula."""
-    pos = torch.arange(num_positions, dtype=torch.float)
-    freqs = pos[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_inv_freq(hf_config, rope_type: str, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies and attention scaling as transformers' LlamaRotaryEmbedding makes
-    them: its formula for the default type, its rope-init functions for the others. Not the class
-    itself: importing modeling_llama costs ~70 MB of resident memory for one small table."""
-    if rope_type == "default":
-        params = _rope_params(hf_config, layer_type)
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        dim = int(dim * (params.get("partial_rotary_factor") or 1.0))  # RoPE on the first dims only (Phi-4-mini)
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if layer_type is None:
-        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)  # (config, device)
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, layer_type=layer_type)
-
-
-def _rope_params(hf_config, layer_type: str | None = None) -> dict:
-    """The RoPE parameters dict: the config's own, or for ``layer_type`` its entry in the
-    per-layer-type dict transformers keeps for models like Gemma 3."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return params[layer_type] if layer_type is not None else params
-
-
-def _rope_type(hf_config, layer_type: str | None = None) -> str:
-    params = _rope_params(hf_config, layer_type)
-    return params.get("rope_type", params.get("type", "default"))
 
 
 class Attention(nn.Module):
@@ -192,46 +94,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _FusedLayer(NamedTuple):
-    """One decoder layer, resolved for the fused CPU loop (LlamaForCausalLM._forward_fused)."""
-
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    q_norm: RMSNorm | None  # per-head q / k norms before RoPE (Qwen3), or None
-    k_norm: RMSNorm | None
-    o_proj: Callable[[torch.Tensor], torch.Tensor]
-    gate_up_silu_mul: Callable[[torch.Tensor], torch.Tensor]  # h -> silu(gate) * up
-    down_proj: Callable[[torch.Tensor], torch.Tensor]
-    post_norm_w: torch.Tensor
-    post_norm_eps: float
-    next_norm_w: torch.Tensor  # the next layer's input norm, or the final norm after the last layer
-    next_norm_eps: float
-    window: int | None  # the layer's sliding attention window (None: the whole context)
-
-
-def _gate_up_silu_mul(gate_up_proj: nn.Module, kernels: CpuKernels) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP's silu(gate) * up: in the GEMM's epilogue where the layer fuses it, else a kernel after."""
-    if getattr(gate_up_proj, "fused_silu_mul", False):
-        return gate_up_proj.silu_and_mul
-    return lambda h: kernels.silu_and_mul(gate_up_proj(h))
-
-
-def _linear_parts(module: nn.Module) -> list[tuple[torch.Tensor, int, torch.Tensor | None]] | None:
-    """A projection as DecoderPlan takes it (parts whose outputs are concatenated), or None when
-    some part is a layer the plan cannot run (packed bf16, a GGUF format without a kernel)."""
-    from pagedllm.models.quantized_linear import ConcatLinear, QuantizedLinear
-
-    if isinstance(module, ConcatLinear):
-        parts = [_linear_parts(p) for p in module.parts]
-        return None if any(p is None for p in parts) else [x for p in parts for x in p]
-    if isinstance(module, QuantizedLinear):
-        if module.kernels is None or (module.bias is not None and module.bias.dtype != torch.float32):
-            return None
-        return [(module.qweight, module.kernel_qtype, module.bias)]
-    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-        return [(module.weight, -1, module.bias)]
-    return None
-
-
 class LlamaForCausalLM(nn.Module):
     """The decoder over a flat batch: ``forward(input_ids[T], positions[T], kv_caches, meta)``."""
 
@@ -274,138 +136,17 @@ class LlamaForCausalLM(nn.Module):
         """Runs bf16 and float32 CPU forwards through the fused kernels (pagedllm.kernels); False
         if not applicable. Any linear layer will do (float, packed, GGUF-quantized): the kernels
         take the activations between them."""
-        dtype = self.activation_dtype()
-        norms = [self.norm] + [
-            n
-            for layer in self.layers
-            for n in (
-                layer.input_layernorm,
-                layer.post_attention_layernorm,
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
-            )
-            if n is not None
-        ]
-        if (
-            kernels is None
-            or dtype not in (torch.bfloat16, torch.float32)
-            or any(n.weight.dtype != dtype or n.weight.device.type != "cpu" for n in norms)
-        ):
-            return False
-        refusal = kernels.layer_ops_refusal(dtype, self.num_heads, self.num_kv_heads, self.head_dim)
-        if refusal is not None:
-            # Decided here, once: the kernel would refuse every step of this model otherwise.
-            logger.warning("pagedllm: the fused layer kernels do not take %s; the layers run the PyTorch path", refusal)
-            return False
-        self.kernels = kernels
-        # Everything the fused loop needs, looked up once: at batch size 1 a step is ~120 small
-        # kernels, and nn.Module call / attribute overhead was a quarter of it.
-        norms = [layer.post_attention_layernorm for layer in self.layers]
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        self._fused_layers = [
-            _FusedLayer(
-                layer.self_attn.qkv_proj.forward,
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
-                layer.self_attn.o_proj.forward,
-                _gate_up_silu_mul(layer.mlp.gate_up_proj, kernels),
-                layer.mlp.down_proj.forward,
-                post.weight,
-                post.eps,
-                nxt.weight,
-                nxt.eps,
-                layer.self_attn.window,
-            )
-            for layer, post, nxt in zip(self.layers, norms, next_norms, strict=True)
-        ]
-        self._decoder_plan = self._build_decoder_plan(kernels, norms, next_norms) if dtype == torch.float32 else None
-        return True
-
-    def _build_decoder_plan(self, kernels: CpuKernels, norms: list[RMSNorm], next_norms: list[RMSNorm]):
-        """The whole-step decode loop (decoder_loop.cpp) for this model, or None where some layer
-        is one it cannot run: then every step takes the fused Python loop."""
-        if self.qk_norm:
-            # The plan has no q/k norm step: running it would skip the norms. The fused Python
-            # loop applies them, so every step of such a model runs there.
-            return None
-        if self.tensor_parallel_size > 1:
-            # The C++ loop cannot all-reduce between a row-parallel projection and the residual
-            # add; the fused Python loop calls the layers, which do.
-            return None
-        projections = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                parts = _linear_parts(module)
-                if parts is None:
-                    return None
-                projections.append(parts)
-        weights, eps = [], []
-        for post, nxt in zip(norms, next_norms, strict=True):
-            weights += [post.weight.detach(), nxt.weight.detach()]
-            eps += [post.eps, nxt.eps]
-        attn = self.layers[0].self_attn
-        windows = [layer.self_attn.window for layer in self.layers]
-        return kernels.decoder_plan(
-            projections, weights, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, windows
-        )
+        return enable_fused_decoder(self, kernels)
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(input_ids)
         rope_rows = self.rope.table_rows(positions, meta)
         if self.kernels is not None:
-            return self._forward_fused(x, rope_rows, kv_caches, meta)
+            return forward_fused(self, x, rope_rows, kv_caches, meta)
         rope = self.rope.tables(rope_rows, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
-
-    def _forward_fused(self, x, rope_rows, kv_caches, meta: AttentionMetadata):
-        """vLLM's layer shape: one residual stream updated in place, each RMSNorm fused with the
-        residual add before it (the reference computes the same sums, see DecoderLayer). RoPE and
-        the KV-cache write are one pass over the qkv projection, in place; attention reads q from it.
-        ``rope_rows``: each token's row of the cos/sin tables (RotaryEmbedding.table_rows), which
-        is all the kernels use positions for."""
-        kernels = self.kernels
-        attn = self.layers[0].self_attn
-        nh, nkv, d, scale = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
-        qs, kvs = attn.q_size, attn.kv_size
-        cos, sin = self.rope.kernel_tables(x.dtype)
-        slots = meta.slot_mapping
-        t = x.shape[0]
-        residual = x  # the embedding lookup made a fresh tensor: safe to update in place
-        h = self.layers[0].input_layernorm(x)
-        plan = self._decoder_plan
-        if plan is not None and not meta.prefills and meta.decode_kernel is not None and not timing_attention():
-            # Every row a decode: the same kernels as the loop below, from one C++ call.
-            return plan.decode(
-                h,
-                residual,
-                rope_rows,
-                cos,
-                sin,
-                kv_caches,
-                slots,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-            )
-        for lyr, (k_cache, v_cache) in zip(self._fused_layers, kv_caches, strict=True):
-            qkv = lyr.qkv(h)
-            if lyr.q_norm is not None:
-                # in place on the fresh qkv rows, before the kernel rotates q and k and caches k
-                q = qkv[:, :qs].view(t, nh, d)
-                k = qkv[:, qs : qs + kvs].view(t, nkv, d)
-                q.copy_(lyr.q_norm(q))
-                k.copy_(lyr.k_norm(k))
-            kernels.rope_and_cache_write(qkv, rope_rows, cos, sin, k_cache, v_cache, slots, nh, nkv)
-            q = qkv[:, :qs].view(t, nh, d)
-            k = qkv[:, qs : qs + kvs].view(t, nkv, d)
-            v = qkv[:, qs + kvs :].view(t, nkv, d)
-            o = attend(q, k, v, k_cache, v_cache, meta, scale, lyr.window)
-            h = kernels.add_rms_norm(lyr.o_proj(o.view(t, qs)), residual, lyr.post_norm_w, lyr.post_norm_eps)
-            m = lyr.down_proj(lyr.gate_up_silu_mul(h))
-            h = kernels.add_rms_norm(m, residual, lyr.next_norm_w, lyr.next_norm_eps)
-        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler widens them only when it has to)."""
@@ -481,26 +222,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen2's decoder without the q/k/v biases (unless attention_bias), with q_norm / k_norm."""
 
     qk_norm = True
-
-
-def layer_windows(cfg) -> list[int | None]:
-    """Each layer's sliding attention window (None: that layer attends to the whole context), as
-    transformers reads the config: ``layer_types`` ("sliding_attention" / "full_attention") where
-    given; else Qwen2's ``use_sliding_window`` with ``max_window_layers`` (layers from that index
-    on are windowed); else Mistral's ``sliding_window`` for every layer."""
-    n = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None)
-    if window is None or getattr(cfg, "use_sliding_window", True) is False:
-        return [None] * n
-    window = int(window)
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    first = getattr(cfg, "max_window_layers", None) if hasattr(cfg, "use_sliding_window") else None
-    return [window if first is None or i >= first else None for i in range(n)]
-
-
-def sliding_window(cfg) -> int | None:
-    """The smallest attention window any layer uses, or None if every layer attends to all."""
-    windows = [w for w in layer_windows(cfg) if w is not None]
-    return min(windows) if windows else None

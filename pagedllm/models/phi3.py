@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.models.llama import LlamaForCausalLM, RotaryEmbedding, _rope_inv_freq, _rope_type, rope_cos_sin
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.rope import RotaryEmbedding, _rope_inv_freq, _rope_type, rope_cos_sin
 
 
 def _rope_params(hf_config) -> dict:
