@@ -229,8 +229,10 @@ def test_contiguous_page_shows_reservation_tails(browser, tiny_llama, tmp_path):
     try:
         page, errors = open_page(browser, srv)
         seen_tail = False
-        load = start_load(srv, max_tokens=100)
-        deadline = time.monotonic() + 60
+        # long enough that a hover lands on a reservation's tail before the load ends, also on a
+        # loaded machine (100 tokens once ended first inside the full suite)
+        load = start_load(srv, max_tokens=300)
+        deadline = time.monotonic() + 90
         while load.is_alive() and time.monotonic() < deadline and not seen_tail:
             wait_next_poll(page)
             counters, legend = shown(page)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# A/B of `pagedllm bench throughput` on the 200-request ShareGPT-like workload: the engine before
-# the scheduler -> runner contract change (OLD_REV) against this checkout, strictly alternating
-# single runs (old, new, old, new, ...), each under one flock so no other benchmark shares the cores.
+# A/B of an engine change on the default model: `pagedllm bench throughput` on the 200-request
+# ShareGPT-like workload and `pagedllm bench latency` (batch size 1, its first 10 requests), the
+# engine at OLD_REV against this checkout, strictly alternating (old, new, old, new, ...), each run
+# under one flock so no other benchmark shares the cores. CHANGE says what differs (for the README).
 # Writes results.jsonl (one RESULT line per run), then results.json + README.md via summarize.py.
-#   bash benchmarks/results/architecture_ab/run_ab.sh          # ROUNDS=1 OLD_REV=026f007
+#   OLD_REV=bceae99 ROUNDS=2 CHANGE="..." bash benchmarks/results/architecture_ab/run_ab.sh
 set -euo pipefail
-OLD_REV=${OLD_REV:-026f007}
+OLD_REV=${OLD_REV:-bceae99}
+CHANGE=${CHANGE:-the engine at OLD_REV against this checkout}
 ROUNDS=${ROUNDS:-1}
 LOCK=${LOCK:-/tmp/pagedllm-bench.lock}
 NUM_PROMPTS=${NUM_PROMPTS:-200}
@@ -22,6 +24,9 @@ for round in $(seq "$ROUNDS"); do
     (cd "$dir" && flock "$LOCK" env PYTHONPATH="$dir" python3 -m pagedllm.entrypoints.cli bench throughput \
       --workload sharegpt --num-prompts "$NUM_PROMPTS" --repeats 1 --label "$side $round" --no-save) \
       | grep '^RESULT ' | sed 's/^RESULT //' >> "$OUT/results.jsonl"
+    (cd "$dir" && flock "$LOCK" env PYTHONPATH="$dir" python3 -m pagedllm.entrypoints.cli bench latency \
+      --workload sharegpt --num-prompts 10 --repeats 1 --label "$side $round" --no-save) \
+      | grep '^RESULT ' | sed 's/^RESULT //' >> "$OUT/results.jsonl"
   done
 done
-python3 "$OUT/summarize.py" "$OUT" "$OLD_REV" "$(git -C "$REPO" rev-parse --short HEAD)"
+python3 "$OUT/summarize.py" "$OUT" "$OLD_REV" "$(git -C "$REPO" rev-parse --short HEAD)" "$CHANGE"
