@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf_models import gguf_files_with_cache, tiny_kquant_hf
-from test_quantized import _hidden
+from test_quantized import _hidden, kernels  # noqa: F401 (a fixture: the compiled kernels, else skip)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.quantized_linear import QuantizedLinear
@@ -51,8 +51,9 @@ def test_formats_without_kernel_load_dequantized_and_match_the_float_model(files
     torch.testing.assert_close(_hidden(native, ids), _hidden(dequant, ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
-def test_formats_without_kernel_run_under_the_default_settings(files, which, kernels):
+def test_formats_without_kernel_run_under_the_default_settings(files, which):
     """quantization="auto" (the default) on the kernels: loads, and greedy output does not
     depend on batching."""
     llm = LLM(model=files[which], dtype="float32", num_kv_blocks=64)
@@ -61,13 +62,3 @@ def test_formats_without_kernel_run_under_the_default_settings(files, which, ker
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone and all(len(t) == 8 for t in together)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    from pagedllm.kernels import load_cpu_kernels
-
-    k = load_cpu_kernels()
-    if k is None:
-        pytest.skip("CPU kernels not built here")
-    return k
