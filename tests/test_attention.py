@@ -127,6 +127,7 @@ def test_kernel_equals_reference(block_size, h, hkv, d, dtype):
     scale = 1 / math.sqrt(d)
     ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale)
     meta.decode_kernel = kernels.paged_decode_attention
+    meta.prefill_as_decode_rows = dtype == torch.float32  # as the runner decides
     out = paged_attention(q, k, v, kc, vc, meta, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -247,6 +248,7 @@ def test_float32_prefill_rows_do_not_depend_on_chunking(h, hkv, d, window):
     n = 55
     q, k, v, kc, vc, meta, _ = build_batch(16, h, hkv, d, 4, [], [(0, n)])
     meta.decode_kernel = kernels.paged_decode_attention
+    meta.prefill_as_decode_rows = True
     scale = 1 / math.sqrt(d)
     whole = paged_attention(q, k, v, kc, vc, meta, scale, window)  # writes every K/V into the caches
     table = meta.prefills[0].block_ids
@@ -263,6 +265,7 @@ def test_float32_prefill_rows_do_not_depend_on_chunking(h, hkv, d, window):
                 decode_seq_lens=dec_lens,
                 prefills=[PrefillSeq(2, ql, start + ql, table[: -(-(start + ql) // 16)], None)],
                 decode_kernel=kernels.paged_decode_attention,
+                prefill_as_decode_rows=True,
             )
             out = attend(rows, None, None, kc, vc, part, scale, window)
             assert torch.equal(out[2:], whole[start : start + ql]), f"chunk {chunk} at {start}"

@@ -44,6 +44,9 @@ class AttentionMetadata:
     # Compiled prefill kernel for all prefill chunks at once (pagedllm.kernels.paged_prefill_attention),
     # or None: torch SDPA per sequence.
     prefill_kernel: Callable | None = None
+    # No prefill kernel for this cache (float32): each prefill query runs through decode_kernel as
+    # a row of its own (decided by the runner, see ModelRunner._choose_attention_kernels).
+    prefill_as_decode_rows: bool = False
     # [num_tokens] long: the prompt length of each row's sequence (its original prompt, also
     # after a recompute preemption). Not for attention: LongRoPE (models/phi3.py) picks its
     # factors per sequence by it. None where the caller builds no such rows.

@@ -116,12 +116,9 @@ def _attend(
         # One call for every chunk; it reads the chunks' own K/V back from the cache too.
         meta.prefill_kernel(out, query, k_cache, v_cache, *meta.prefill_batch(), scale, window)
         return out
-    if meta.prefills and meta.decode_kernel is not None and k_cache.dtype == torch.float32:
-        # float32 caches have no prefill kernel: each prefill query runs as a decode row over its
-        # own keys. A row's result then depends on its position alone, never on how the prompt was
-        # chunked or batched (torch's SDPA sums a row differently for other query counts). bf16
-        # keeps SDPA where its prefill kernel does not run: the bf16 decode kernel rounds the
-        # probabilities to bf16, further from transformers' bf16 than SDPA is.
+    if meta.prefills and meta.prefill_as_decode_rows:
+        # Each prefill query as a decode row over its own keys: its result depends on its position
+        # alone, never on how the prompt was chunked or batched.
         first = meta.prefills[0].query_start
         tables, lens = meta.prefill_rows()
         meta.decode_kernel(out[first:], query[first:], k_cache, v_cache, tables, lens, scale, window)

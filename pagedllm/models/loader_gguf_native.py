@@ -19,6 +19,7 @@ Two llama.cpp conventions are undone on the blocks, exactly:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -86,6 +87,7 @@ def _read(file_tensors: list, arch: GGUFArchitecture, n_head: int, n_kv: int) ->
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
+@functools.cache
 def _dequantizable(qtype: int) -> bool:
     """Whether gguf-py dequantizes this block format (Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, ...):
     a tensor in a format without an integer kernel then loads as floats rather than failing."""

@@ -70,6 +70,7 @@ class ModelRunner:
         )
         self.decode_kernel = None
         self.prefill_kernel = None
+        self.prefill_as_decode_rows = False
         if kernels is not None and kv_caches:
             self._choose_attention_kernels(kernels, kv_caches[0][0], block_size)
 
@@ -85,6 +86,11 @@ class ModelRunner:
         # Available only where built with AVX512-BF16, for some head sizes: not a refusal worth a log line.
         if k_cache.dtype == torch.bfloat16 and kernels.prefill_attention_available(head_dim, block_size):
             self.prefill_kernel = kernels.paged_prefill_attention
+        # float32 has no prefill kernel: its prefill queries run through the decode kernel, a row
+        # each, so a row's result never depends on the chunk (torch's SDPA sums a row differently
+        # for other query counts on AVX512 CPUs). bf16 keeps SDPA where its prefill kernel does not
+        # run: the bf16 decode kernel rounds probabilities to bf16, further from transformers' bf16.
+        self.prefill_as_decode_rows = self.decode_kernel is not None and k_cache.dtype == torch.float32
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -219,9 +225,8 @@ class ModelRunner:
                 prompt_len_parts.append(torch.full((n,), s.num_prompt_tokens, dtype=torch.long))
             slot_parts.append(row[p // bs] * bs + p % bs)
             mask = None
-            # the kernels mask by positions themselves (float32: prefill rows run as decode rows)
-            as_decode_rows = self.decode_kernel is not None and self.kv_caches[0][0].dtype == torch.float32
-            if start > 0 and self.prefill_kernel is None and not as_decode_rows:
+            # the kernels mask by positions themselves
+            if start > 0 and self.prefill_kernel is None and not self.prefill_as_decode_rows:
                 # Query i (position start + i) sees keys 0..start + i.
                 q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
                 mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
@@ -246,6 +251,7 @@ class ModelRunner:
             prefills=prefill_seqs,
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
+            prefill_as_decode_rows=self.prefill_as_decode_rows,
             prompt_lens=torch.cat(prompt_len_parts).to(dev) if self.send_prompt_lens else None,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)

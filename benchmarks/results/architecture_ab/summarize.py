@@ -1,6 +1,7 @@
 """results.jsonl of run_ab.sh -> results.json + README.md (ratios new / old by medians)."""
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ def side(kind: str, name: str) -> list[dict]:
 tput = {s: statistics.median(r["output_tok_s"] for r in side("throughput", s)) for s in ("old", "new")}
 bs1 = {s: statistics.median(r["ms_per_output_token"] for r in side("latency", s)) for s in ("old", "new")}
 isa = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"))
-machine = f"{cpu_model()}, {len(open('/proc/cpuinfo').read().split('processor')) - 1} cores, {' '.join(isa)}"
+machine = f"{cpu_model()}, {os.cpu_count()} cores, {' '.join(isa)}"
 summary = {
     "old_rev": old_rev,
     "new_rev": new_rev,
