@@ -20,7 +20,8 @@ from pagedllm.kv.factory import make_kv_manager
 from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.attention_windows import layer_windows, sliding_window
 from pagedllm.models.hub_cache import is_repo_id
-from pagedllm.models.loader import load_hf_config, load_model, resolve_dtype
+from pagedllm.layers.linear_method import LinearMethods
+from pagedllm.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
 from pagedllm.runner.model_runner import ModelRunner
@@ -86,15 +87,52 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
             from pagedllm.kernels import load_cpu_kernels
 
             kernels = load_cpu_kernels()
+    if native_gguf is not None and device.type != "cpu":
+        raise ValueError("quantization='gguf' runs on the CPU only; use quantization=None to dequantize at load")
+    methods = linear_methods(dtype, device, kernels)
     if native_gguf is not None:
-        from pagedllm.models.loader_gguf_native import load_gguf_model
+        from pagedllm.models.gguf_weights import gguf_weights
 
-        model = load_gguf_model(native_gguf, hf_config, dtype, device, max_model_len, kernels, tensor_parallel)
+        weights = gguf_weights(native_gguf, hf_config)
     else:
-        model = load_model(
-            model_path, hf_config, dtype, device, max_model_len, cpu_kernels=kernels, tensor_parallel=tensor_parallel
-        )
+        weights = iter_safetensors(model_path)
+    model = load_model(weights, hf_config, methods, max_model_len, tensor_parallel)
+    log_weight_formats(model, native_gguf or model_path, kernels)
     return LoadedModel(model_path, hf_config, max_model_len, dtype, device, kernels, model)
+
+
+def linear_methods(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethods:
+    """How every weight runs, decided here once: bf16 weights packed for the CPU's GEMM where
+    packing works in this torch build, GGUF blocks on the integer kernels where they built."""
+    from pagedllm.models.cpu_linear import bf16_packing_available
+
+    pack = device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_available()
+    return LinearMethods(dtype=dtype, kernels=kernels, pack_bf16=pack, device=device)
+
+
+def log_weight_formats(model: torch.nn.Module, source: str, kernels: CpuKernels | None) -> None:
+    """One line: which GEMMs run on what (the choice linear_methods made, per weight)."""
+    from collections import Counter
+
+    from pagedllm.layers.linear import ParallelLinear
+    from pagedllm.models.quantized_linear import QuantizedLinear
+
+    kinds: Counter[str] = Counter()
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            kinds[f"{m.format}{'' if m.kernels is not None else ' (reference)'}"] += 1
+        elif isinstance(m, ParallelLinear) and isinstance(m.local, torch.nn.Linear):
+            kinds[f"float {str(m.local.weight.dtype).removeprefix('torch.')}"] += 1
+        elif type(m).__name__ == "PackedLinear":
+            kinds["packed bf16"] += 1
+    isa = "none" if kernels is None else kernels.compiled_isa()
+    logger.info(
+        "pagedllm: %s: GEMMs %s; compiled kernels: %s; fused layer loop: %s",
+        source,
+        ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none",
+        isa,
+        "yes" if getattr(model, "kernels", None) is not None else "no",
+    )
 
 
 def build_runner(config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
@@ -262,7 +300,7 @@ def native_gguf_path(config: EngineConfig) -> str | None:
     if config.attention_backend != "auto":
         return None
     from pagedllm.kernels import load_cpu_kernels
-    from pagedllm.models.loader_gguf_native import runs_natively, tensor_parallel_refusal
+    from pagedllm.models.gguf_weights import runs_natively, tensor_parallel_refusal
 
     # a family the native loader does not build (GPT-2) dequantizes at load
     if load_cpu_kernels() is None or not runs_natively(source):

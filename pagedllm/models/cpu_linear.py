@@ -18,6 +18,7 @@ The fused gate/up projection of the MLP can also apply SiLU-and-multiply in the 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -103,6 +104,13 @@ class PackedLinear(nn.Module):
     def streamed_weight(self) -> torch.Tensor | None:
         """The weight copy a step streams, if it can move (oneDNN's opaque one cannot)."""
         return self.tile_weight if self.use_tiles else None
+
+
+@functools.cache
+def bf16_packing_available() -> bool:
+    """Whether this torch build packs bf16 weights (oneDNN present, and its packed ops agree with
+    F.linear)."""
+    return torch.backends.mkldnn.is_available() and _packing_works()
 
 
 def _packing_works() -> bool:

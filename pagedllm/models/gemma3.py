@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.layers import MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from pagedllm.models.attention_windows import layer_windows
 from pagedllm.models.llama import Attention, LlamaForCausalLM
 from pagedllm.models.rope import RotaryEmbedding
+from pagedllm.parallel.group import TensorParallelGroup
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -52,8 +54,8 @@ class Gemma3Attention(Attention):
     """Llama's attention (its forward) with Gemma's q / k norms and scale. ``window``: a
     "sliding_attention" layer's sliding window, None on a "full_attention" layer."""
 
-    def __init__(self, cfg, window: int | None) -> None:
-        super().__init__(cfg, qkv_bias=bool(getattr(cfg, "attention_bias", False)), window=window)
+    def __init__(self, cfg, window: int | None, tp: TensorParallelGroup | None) -> None:
+        super().__init__(cfg, qkv_bias=bool(getattr(cfg, "attention_bias", False)), window=window, tp=tp)
         self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -62,14 +64,15 @@ class Gemma3Attention(Attention):
 class GeGLUMLP(nn.Module):
     """down(gelu_tanh(gate) * up), gate and up from one fused projection."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise NotImplementedError(f"Gemma 3 hidden_activation {act!r} is not supported")
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
+        self.inter = self.gate_up_proj.out_features // 2  # this rank's columns
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -79,15 +82,15 @@ class GeGLUMLP(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Both sublayers normed on the way in and on the way out, before the residual add."""
 
-    def __init__(self, cfg, layer_type: str, window: int | None) -> None:
+    def __init__(self, cfg, layer_type: str, window: int | None, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_type = layer_type  # which RoPE table it takes
         self.input_layernorm = GemmaRMSNorm(dim, eps)
-        self.self_attn = Gemma3Attention(cfg, window)
+        self.self_attn = Gemma3Attention(cfg, window, tp)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
-        self.mlp = GeGLUMLP(cfg)
+        self.mlp = GeGLUMLP(cfg, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
 
     def forward(self, x, rope, k_cache, v_cache, meta):
@@ -116,26 +119,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     silu_mul_projections = ()  # its gate is gelu: a packed GEMM must not apply silu
 
-    def __init__(self, hf_config, max_model_len: int) -> None:
+    def __init__(self, hf_config, max_model_len: int, tp: TensorParallelGroup | None = None) -> None:
         nn.Module.__init__(self)
         cfg = hf_config
         refusal = unsupported_gemma3_setting(cfg)
         if refusal is not None:
             raise NotImplementedError(f"Gemma 3 with {refusal} is not supported")
         self.config = cfg
+        self.tensor_parallel_size = 1 if tp is None else tp.world_size
         self.layer_types = list(cfg.layer_types)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, t, w) for t, w in zip(self.layer_types, layer_windows(cfg), strict=True)
+            Gemma3DecoderLayer(cfg, t, w, tp) for t, w in zip(self.layer_types, layer_windows(cfg), strict=True)
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp, self.embed_tokens if self.tie_word_embeddings else None
+        )
         # positions never reach max_model_len: the engine caps every sequence there
         self._rope_len = max_model_len
         self.ropes = self._rope_tables()
-        self.packed_head = None
         self.kernels: CpuKernels | None = None  # the fused CPU layer loop is Llama's only
         self._decoder_plan = None
         attn = self.layers[0].self_attn

@@ -74,6 +74,8 @@ class GGUFArchitecture:
     # Conv1D weights ([in, out]) that llama.cpp's converter transposed to [out, in]
     layer_prefix: str = "model.layers"
     conv1d: frozenset[str] = frozenset()
+    # HF names' endings of the row-parallel weights (split by input columns under tensor parallelism)
+    row_parallel: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
     # Llama-like: the config gets the RoPE / RMSNorm / SiLU keys and the native loader runs it
     llama_like: bool = True
     # What llama.cpp's converter added to every norm weight (Gemma's x * (1 + w) is stored as w + 1,
@@ -204,6 +206,7 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
             config={"activation_function": "gelu_new"},
             layer_prefix="transformer.h",
             conv1d=frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"}),
+            row_parallel=("attn.c_proj.weight", "mlp.c_proj.weight"),
             llama_like=False,
         ),
         # q/k/v and [gate; up] fused as in the HF checkpoints, NEOX RoPE; LongRoPE's factors as

@@ -15,10 +15,29 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import paged_attention
 from pagedllm.kernels.interface import CpuKernels
+from pagedllm.layers import (
+    LinearMethods,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    finish_layers,
+    load_into,
+)
 from pagedllm.models.attention_windows import layer_windows
 from pagedllm.models.fused_cpu_decoder import enable_fused_decoder, forward_fused
 from pagedllm.models.rope import RotaryEmbedding, apply_rope
-from pagedllm.models.weight_copy import check_all_loaded, copy_weight
+from pagedllm.parallel.group import TensorParallelGroup
+
+# checkpoint projections that run fused: name -> (our layer, its part)
+STACKED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class RMSNorm(nn.Module):
@@ -37,19 +56,29 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """``qk_norm``: RMSNorm over each head of q and k after the projection, before RoPE (Qwen3)."""
+    """``qk_norm``: RMSNorm over each head of q and k after the projection, before RoPE (Qwen3).
+    Under tensor parallelism (``tp``) the heads this rank holds (QKVParallelLinear)."""
 
-    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False, window: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg,
+        qkv_bias: bool,
+        qk_norm: bool = False,
+        window: int | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.window = window  # sliding attention window of this layer (None: the whole context)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, tp
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        total_q = cfg.num_attention_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_q, cfg.hidden_size, bool(getattr(cfg, "attention_bias", False)), tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
@@ -67,12 +96,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+        inter = cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, tp)
+        self.inter = self.gate_up_proj.out_features // 2  # this rank's columns
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
 
@@ -82,12 +112,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False, window: int | None = None) -> None:
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool, window: int | None, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qkv_bias, qk_norm, window)
+        self.self_attn = Attention(cfg, qkv_bias, qk_norm, window, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, rope, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
@@ -95,42 +125,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder over a flat batch: ``forward(input_ids[T], positions[T], kv_caches, meta)``."""
+    """The decoder over a flat batch: ``forward(input_ids[T], positions[T], kv_caches, meta)``.
+    ``tp``: this rank's tensor-parallel group (None: the whole model); every layer holds its shard."""
 
     qkv_bias_default = False
     qk_norm = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     # fused [gate; up] projections whose packed bf16 GEMM may apply silu(gate) * up in its epilogue
     silu_mul_projections: tuple[str, ...] = ("gate_up_proj",)
     rope_class: type[RotaryEmbedding] = RotaryEmbedding
-    tensor_parallel_size = 1  # ranks this model is a shard of (set by parallel/sharding.py)
 
-    def __init__(self, hf_config, max_model_len: int) -> None:
+    def __init__(self, hf_config, max_model_len: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         cfg = hf_config
         self.config = cfg
+        self.tensor_parallel_size = 1 if tp is None else tp.world_size
         qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, self.qk_norm, window) for window in layer_windows(cfg))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, qkv_bias, self.qk_norm, window, tp) for window in layer_windows(cfg)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp, self.embed_tokens if self.tie_word_embeddings else None
+        )
         self.rope = self.rope_class(cfg, max(max_model_len, getattr(cfg, "max_position_embeddings", 0)))
-        # A head object compute_logits / greedy_tokens call instead of F.linear: PackedLinear
-        # (bf16 CPU) or VocabParallelHead (a tensor-parallel shard); None: the plain matmul.
-        self.packed_head = None
         self.kernels: CpuKernels | None = None  # compiled CPU kernels of the fused path (enable_cpu_kernels)
         self._decoder_plan = None  # float32 decode-only steps in one kernel call (enable_cpu_kernels)
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
     def activation_dtype(self) -> torch.dtype:
-        """dtype of the hidden states: the embedding's output. A QuantizedEmbedding (native GGUF)
-        has no float weight; it says its output dtype itself."""
-        emb = self.embed_tokens
-        if isinstance(emb, nn.Embedding):
-            return emb.weight.dtype
-        return getattr(emb, "dtype", self.norm.weight.dtype)
+        """dtype of the hidden states (the norms' and the float weights')."""
+        return self.norm.weight.dtype
 
     def enable_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
         """Runs bf16 and float32 CPU forwards through the fused kernels (pagedllm.kernels); False
@@ -150,68 +177,39 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler widens them only when it has to)."""
-        if self.packed_head is not None:
-            return self.packed_head(hidden)
-        w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w)
+        return self.lm_head(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """argmax of compute_logits(hidden) per row, without the logits (a greedy-only step's
         [rows, vocab] logits are most of the head's time to write and read back); None when
         only compute_logits serves here."""
-        return self.packed_head.argmax(hidden) if self.packed_head is not None else None
-
-    def pack_for_cpu(self, kernels: CpuKernels | None = None) -> int:
-        """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers
-        packed. ``kernels``: the compiled CPU kernels (packed_gemm), or None for oneDNN."""
-        from pagedllm.models.cpu_linear import pack_linears, packed_lm_head, place_on_huge_pages
-
-        packed = pack_linears(self.layers, kernels, fuse_silu_mul_names=self.silu_mul_projections)
-        if packed:
-            w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            self.packed_head = packed_lm_head(w, kernels)
-            packed.append(self.packed_head)
-            place_on_huge_pages(packed)
-        return len(packed)
+        return self.lm_head.argmax(hidden)
 
     def init_computed_buffers(self, device: torch.device) -> None:
         """RoPE tables are computed, not loaded, and stay fp32 (cast per use, as transformers does)."""
         self.rope = type(self.rope)(self.config, self.rope.max_len).to(device)
 
     # ---- weights -------------------------------------------------------------------------
-    def load_hf_weights(self, tensors) -> None:
-        """Copies Hugging Face-named tensors (an iterable of (name, tensor)) into the fused layout."""
-        own = dict(self.named_parameters())
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
-        loaded = set()
+    def load_weights(self, tensors) -> None:
+        """Takes Hugging Face-named checkpoint tensors (an iterable of (name, tensor or GGUF
+        block rows)); each layer keeps its shard (pagedllm.layers)."""
         for name, t in tensors:
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            if len(parts) >= 3 and parts[-2] in fused:
-                target, idx = fused[parts[-2]]
-                key = ".".join(parts[:-2] + [target, parts[-1]])
-                pending.setdefault(key, {})[idx] = t
-                n_parts = 3 if target == "qkv_proj" else 2
-                if len(pending[key]) == n_parts:
-                    parts_by_idx = pending.pop(key)
-                    t = torch.cat([parts_by_idx[i] for i in range(n_parts)], dim=0)
-                    name = key
-                else:
-                    continue
-            copy_weight(own, name, t)
-            loaded.add(name)
-        check_all_loaded(own, loaded, pending)
+            module, _, leaf = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj in STACKED_PROJECTIONS:
+                target, part = STACKED_PROJECTIONS[proj]
+                load_into(self, f"{parent}.{target}.{leaf}", t, part)
+            else:
+                load_into(self, name, t)
+
+    def finish_weights(self, methods: LinearMethods) -> None:
+        """Builds every layer's GEMM in the loader's weight formats (after load_weights)."""
+        finish_layers(self, methods, self.silu_mul_projections)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,18 +1,22 @@
-"""Builds a model from a local Hugging Face folder (config.json + *.safetensors)."""
+"""The one model loader: a family's model from a stream of checkpoint tensors (a Hugging Face
+folder's safetensors or a GGUF file's tensors), plus the config and dtype it is read with."""
 
 from __future__ import annotations
 
 import glob
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
+from pagedllm.layers.checkpoint import CheckpointTensor
+from pagedllm.layers.linear_method import LinearMethods
 from pagedllm.models.interface import CausalLM
 from pagedllm.models.plain_config import read_plain_config
 from pagedllm.models.registry import get_model_class
+from pagedllm.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -67,40 +71,29 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: str,
+    weights: Iterable[tuple[str, CheckpointTensor]],
     hf_config,
-    dtype: torch.dtype,
-    device: torch.device,
+    methods: LinearMethods,
     max_model_len: int,
-    pack_weights: bool = True,
-    cpu_kernels=None,
-    tensor_parallel=None,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> CausalLM:
-    """Any registered family (registry.py), through the CausalLM contract only. ``cpu_kernels``:
-    the compiled CPU kernels (pagedllm.kernels) for the families' fused CPU paths (bf16 and
-    float32; bf16 weights also packed for their GEMMs), or None. ``tensor_parallel``: this rank's
-    TensorParallelGroup: the model is cut to its shard (parallel/sharding.py) before the kernels
-    resolve its layers; its bf16 weights stay unpacked (the packed head has no vocabulary shard)."""
+    """Any registered family (registry.py), from a stream of (Hugging Face name, tensor or GGUF
+    block rows): ``iter_safetensors`` of a folder, or ``gguf_weights`` of a file. The model is
+    built as ``tensor_parallel``'s rank (None: the whole model), each layer keeps its shard of
+    every tensor, and the weights run as ``methods`` says (decided once, by the caller). Then
+    the fused CPU layer path where the family has one and ``methods.kernels`` are given."""
     cls = get_model_class(hf_config)
-    with torch.device("meta"):
-        model = cls(hf_config, max_model_len)
-    # Materialise on the target device in the target dtype, then fill from the checkpoint.
-    model = model.to_empty(device=device).to(dtype=dtype)
-    model.load_hf_weights(iter_safetensors(model_dir))
-    # to_empty left the non-persistent buffers (RoPE tables...) uninitialised: the model remakes them
-    model.init_computed_buffers(device)
+    model = cls(hf_config, max_model_len, tp=tensor_parallel)
+    # what the layers hold before loading is small (norms, learned positions): made in place
+    model = model.to(device=methods.device, dtype=methods.dtype)
+    model.num_params = 0  # counted by the loads: the whole model's, whatever shard a rank keeps
+    model.load_weights(weights)
+    model.finish_weights(methods)
+    # the non-persistent buffers (RoPE tables...) are computed, in float32, on the device
+    model.init_computed_buffers(methods.device)
     model.eval()
     model.requires_grad_(False)
-    # counted before packing turns linear weights into buffers (benchmarks report FLOP per token)
-    model.num_params = sum(p.numel() for p in model.parameters())
-    if tensor_parallel is not None:
-        from pagedllm.parallel.sharding import shard_llama
-
-        shard_llama(model, tensor_parallel)
-        pack_weights = False
-    if device.type == "cpu" and dtype == torch.bfloat16 and pack_weights:
-        model.pack_for_cpu(cpu_kernels)
-    if cpu_kernels is not None and hasattr(model, "enable_cpu_kernels"):  # optional: a fused layer path
-        model.enable_cpu_kernels(cpu_kernels)
-    logger.info("loaded %s from %s (%s, %s)", cls.__name__, model_dir, dtype, device)
+    if methods.kernels is not None and hasattr(model, "enable_cpu_kernels"):  # optional: a fused layer path
+        model.enable_cpu_kernels(methods.kernels)
+    logger.info("loaded %s (%s, %s)", cls.__name__, methods.dtype, methods.device)
     return model

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.checkpoint import rows_of
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.rope import RotaryEmbedding, _rope_inv_freq, _rope_type, rope_cos_sin
 
@@ -127,26 +128,23 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return b"longrope:long" if num_prompt_tokens > orig else b"longrope:short"
 
     def qkv_row_order(self) -> torch.Tensor | None:
-        """new_rows = old_rows[order] for the fused qkv weight (and bias): each q and k head's dims
-        in the permuted rotary layout, v as it is; None without partial RoPE. Whole rows move, so
-        the GGUF loader applies it to quantized byte rows exactly."""
-        rot_dim = rotary_dim(self.config)
-        if rot_dim == self.head_dim:
+        """new_rows = old_rows[order] for the checkpoint's fused qkv weight (and bias), the whole
+        model's: each q and k head's dims in the permuted rotary layout, v as it is; None without
+        partial RoPE. Whole rows move, so it applies to GGUF block rows exactly."""
+        cfg, d = self.config, self.head_dim
+        rot_dim = rotary_dim(cfg)
+        if rot_dim == d:
             return None
-        perm = rotary_permutation(self.head_dim, rot_dim)
-        attn = self.layers[0].self_attn
-        n_qk_heads = (attn.q_size + attn.kv_size) // self.head_dim  # the q heads, then the k heads
-        qk = (torch.arange(n_qk_heads).unsqueeze(1) * self.head_dim + perm).flatten()
-        return torch.cat((qk, torch.arange(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)))
+        perm = rotary_permutation(d, rot_dim)
+        q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        n_qk_heads = (q_size + kv_size) // d  # the q heads, then the k heads
+        qk = (torch.arange(n_qk_heads).unsqueeze(1) * d + perm).flatten()
+        return torch.cat((qk, torch.arange(q_size + kv_size, q_size + 2 * kv_size)))
 
-    def load_hf_weights(self, tensors) -> None:
-        super().load_hf_weights(tensors)
+    def load_weights(self, tensors) -> None:
+        """Llama's, each fused qkv tensor's rows put in the rotary layout first (before any rank
+        takes its heads)."""
         order = self.qkv_row_order()
-        if order is None:
-            return
-        with torch.no_grad():
-            for layer in self.layers:
-                qkv = layer.self_attn.qkv_proj
-                for p in (qkv.weight, qkv.bias):
-                    if p is not None:
-                        p.copy_(p[order.to(p.device)].clone())
+        if order is not None:
+            tensors = ((n, rows_of(t, order) if ".qkv_proj." in n else t) for n, t in tensors)
+        super().load_weights(tensors)

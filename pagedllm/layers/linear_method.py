@@ -1,0 +1,104 @@
+"""How a layer's weights run: chosen once per weight, when the layer has all of its parts.
+
+``LinearMethods`` is decided once at load (engine/builder.py, from the CPU, the config and the
+checkpoint's formats) and handed to every layer; a layer never re-decides it. Per weight:
+
+- float (F.linear in the activation dtype): float checkpoints, and GGUF formats without an
+  integer kernel (dequantized by the reader);
+- packed bf16 (``PackedLinear``, models/cpu_linear.py): bf16 weights laid out once for the CPU's
+  GEMM (AMX / AVX512-BF16 tiles of the compiled kernels, else oneDNN's blocked layout);
+- GGUF blocks (``QuantizedLinear``, models/quantized_linear.py): the file's bytes, run by the
+  integer kernel of their format;
+- parts in different formats (llama.cpp's mixed files: attn_v in Q6_K beside Q4_K q and k):
+  ``ConcatLinear``, one GEMM per part.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.kernels.interface import CpuKernels
+from pagedllm.layers.checkpoint import BlockRows, CheckpointTensor
+from pagedllm.models.quantized_linear import ConcatLinear, QuantizedEmbedding, QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinearMethods:
+    """``dtype``: of the activations (and float weights). ``kernels``: the compiled CPU kernels
+    (integer GEMMs of GGUF blocks, packed bf16 GEMMs), or None for the PyTorch reference.
+    ``pack_bf16``: bf16 weights get PackedLinear's layout."""
+
+    dtype: torch.dtype
+    kernels: CpuKernels | None = None
+    pack_bf16: bool = False
+    device: torch.device = torch.device("cpu")
+
+    def _float(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device=self.device, dtype=self.dtype).contiguous()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()  # a shard's view would keep the whole checkpoint tensor alive
+        return t
+
+    def linear(self, parts: list[CheckpointTensor], bias: torch.Tensor | None, silu_mul_epilogue: bool = False):
+        """One (possibly fused) projection over ``parts``' rows, in order; its bias whole."""
+        if all(isinstance(p, BlockRows) for p in parts) and len({p.qtype for p in parts}) == 1:
+            rows = torch.cat([p.bytes_tensor() for p in parts]) if len(parts) > 1 else parts[0].bytes_tensor()
+            b = None if bias is None else bias.float()  # the integer kernels add it in float32
+            return QuantizedLinear(rows, parts[0].qtype, parts[0].k, b, self.kernels)
+        if not any(isinstance(p, BlockRows) for p in parts):
+            w = torch.cat(parts) if len(parts) > 1 else parts[0]
+            return self._float_linear(w, bias, silu_mul_epilogue)
+        # mixed formats: one GEMM per part, the bias split along
+        mods, start = [], 0
+        for p in parts:
+            n = p.shape[0]
+            mods.append(self.linear([p], None if bias is None else bias[start : start + n]))
+            start += n
+        return ConcatLinear(mods)
+
+    def _float_linear(self, w: torch.Tensor, bias: torch.Tensor | None, silu_mul_epilogue: bool) -> nn.Module:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+        lin.weight = nn.Parameter(self._float(w), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(self._float(bias), requires_grad=False)
+        if self.pack_bf16 and self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            from pagedllm.models.cpu_linear import PackedLinear
+
+            return PackedLinear(lin, self.kernels, fuse_silu_mul=silu_mul_epilogue)
+        return lin
+
+    def embedding(self, t: CheckpointTensor) -> nn.Module:
+        """A token embedding over ``t``'s rows (GGUF blocks: only looked-up rows dequantized)."""
+        if isinstance(t, BlockRows):
+            emb = QuantizedEmbedding(t.bytes_tensor(), t.qtype, t.k, self.kernels)
+            emb.dtype = self.dtype
+            return emb
+        return nn.Embedding.from_pretrained(self._float(t))
+
+    def tied_head_and_embedding(self, t: CheckpointTensor) -> tuple[nn.Module | torch.Tensor, nn.Module]:
+        """The LM head and the embedding over the same rows, one copy: GGUF blocks repacked for
+        the head's GEMM, which the embedding reads in place; a float weight shared."""
+        if isinstance(t, BlockRows):
+            head = QuantizedLinear(t.bytes_tensor(), t.qtype, t.k, None, self.kernels)
+            emb = QuantizedEmbedding(head.qweight, t.qtype, t.k, head.kernels, head.interleaved)
+            emb.dtype = self.dtype
+            return head, emb
+        emb = nn.Embedding.from_pretrained(self._float(t))
+        return self.head(emb.weight), emb
+
+    def head(self, t: CheckpointTensor) -> nn.Module | torch.Tensor:
+        """The LM head's local GEMM: a float weight (F.linear), or a layer (packed bf16, GGUF)."""
+        if isinstance(t, BlockRows):
+            return QuantizedLinear(t.bytes_tensor(), t.qtype, t.k, None, self.kernels)
+        w = self._float(t)
+        if self.pack_bf16 and self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            from pagedllm.models.cpu_linear import packed_lm_head
+
+            return packed_lm_head(w, self.kernels)
+        return w
