@@ -217,7 +217,7 @@ def test_fused_bf16_forward_picks_reference_tokens(tiny_model_dirs, family, engi
         if backend == "auto" and family == "mistral" and kernels.prefill_attention_available(64, 16):
             assert llm.llm_engine.runner.prefill_kernel is not None
         if backend == "auto" and kernels.packed_gemm_available():  # the packed GEMMs and the fused SiLU epilogue ran
-            assert llm.llm_engine.model.layers[0].mlp.gate_up_proj.fused_silu_mul
+            assert llm.llm_engine.model.layers[0].mlp.gate_up_proj.local.fused_silu_mul
         outs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert_bf16_tokens_follow(outs["auto"], outs["torch"])
 

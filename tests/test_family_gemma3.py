@@ -50,7 +50,7 @@ def test_bf16_follows_transformers_bf16(tiny_model_dirs):
     prompts = [[2, 5, 9, 200, 3], [2, *range(10, 60)], [2] + [7] * 23]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     llm = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=64)
-    assert not getattr(llm.llm_engine.model.layers[0].mlp.gate_up_proj, "fused_silu_mul", False)
+    assert not getattr(llm.llm_engine.model.layers[0].mlp.gate_up_proj.local, "fused_silu_mul", False)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     compared = 0

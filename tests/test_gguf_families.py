@@ -15,8 +15,8 @@ from gguf_models import tiny_gemma3_llama_cpp_hf, write_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.gguf_arch import GGUF_ARCHITECTURES
+from pagedllm.models.gguf_weights import gguf_weights
 from pagedllm.models.loader import load_hf_config
-from pagedllm.models.loader_gguf_native import load_gguf_model
 from pagedllm.models.registry import get_model_class, supported_architectures
 from pagedllm.models.resolve import resolve_model_path
 from pagedllm.tokenizer import load_tokenizer
@@ -188,7 +188,7 @@ def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
     for weights in (True, False):  # dequantized and native: both convert the metadata first
         with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'mamba' \(" + supported):
             resolve_model_path(path, cache_dir=str(tmp_path / "cache"), weights=weights)
-    # the native loader reads the architecture from the file itself
+    # the native weight stream reads the architecture from the file itself
     cfg = transformers.AutoConfig.from_pretrained(tiny_llama)
     with pytest.raises(ValueError, match=r"'mamba' \(" + supported):
-        load_gguf_model(path, cfg, torch.float32, torch.device("cpu"), 64)
+        next(gguf_weights(path, cfg))

@@ -45,7 +45,7 @@ def test_formats_without_kernel_load_dequantized_and_match_the_float_model(files
     model = native.llm_engine.model
     attn = model.layers[0].self_attn
     assert any(isinstance(m, QuantizedLinear) for m in model.modules())  # the kernel formats stayed blocks
-    assert not isinstance(attn.qkv_proj, QuantizedLinear)  # mixed q/k/v: parts, some dequantized
+    assert not isinstance(attn.qkv_proj.local, QuantizedLinear)  # mixed q/k/v: parts, some dequantized
     dequant = LLM(model=files[which], dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization=None)
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
     torch.testing.assert_close(_hidden(native, ids), _hidden(dequant, ids), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,5 @@
 """GGUF weights executed in their quantized blocks (QuantizedLinear, kernels/quant_gemm.cpp,
-loader_gguf_native) against the reference: dequantize-then-matmul, and today's dequantize-at-load."""
+models/gguf_weights.py) against the reference: dequantize-then-matmul, and today's dequantize-at-load."""
 
 from __future__ import annotations
 
@@ -241,8 +241,8 @@ def test_native_reference_matches_dequantize_at_load(gguf_files, which):
     native = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
     dequant = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization=None)
     m_native, m_dequant = native.llm_engine.model, dequant.llm_engine.model
-    assert isinstance(m_native.layers[0].mlp.down_proj, QuantizedLinear)
-    assert isinstance(m_dequant.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert isinstance(m_native.layers[0].mlp.down_proj.local, QuantizedLinear)
+    assert isinstance(m_dequant.layers[0].mlp.down_proj.local, torch.nn.Linear)
     assert not any(isinstance(m, torch.nn.Linear) and m.weight.numel() > 4096 for m in m_native.modules())
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
     h_native = _hidden(native, ids)
@@ -279,7 +279,7 @@ def test_kernel_path_close_to_reference(gguf_files, kernels, which):
     path = gguf_files[which]
     fast = LLM(model=path, dtype="float32", num_kv_blocks=32, quantization="gguf")
     ref = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
-    assert fast.llm_engine.model.layers[0].mlp.down_proj.kernels is not None
+    assert fast.llm_engine.model.layers[0].mlp.down_proj.local.kernels is not None
     assert (fast.llm_engine.model.kernels is not None) == (which in FUSED_LAYERS)  # fused layer ops
     assert ref.llm_engine.model.kernels is None
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 7, 42])
@@ -295,7 +295,7 @@ def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantizatio
     dequantized float32 models both run the fused layer kernels between their GEMMs."""
     llm = LLM(model=gguf_files[which], dtype="float32", num_kv_blocks=32, quantization=quantization)
     model = llm.llm_engine.model
-    assert isinstance(model.embed_tokens, QuantizedEmbedding) == (quantization == "gguf")
+    assert isinstance(model.embed_tokens.local, QuantizedEmbedding) == (quantization == "gguf")
     assert model.activation_dtype() == torch.float32 and model.kernels is not None
 
 
@@ -345,7 +345,7 @@ def _greedy(path: str, **kwargs) -> tuple[list[list[int]], LLM]:
 def greedy_baseline(request, gguf_files, kernels):
     path = gguf_files[request.param]
     toks, llm = _greedy(path, max_num_seqs=1)  # one request at a time, whole prompts: the simplest schedule
-    assert llm.llm_engine.model.layers[0].mlp.down_proj.kernels is not None  # the integer kernel path
+    assert llm.llm_engine.model.layers[0].mlp.down_proj.local.kernels is not None  # the integer kernel path
     return path, toks
 
 

@@ -16,8 +16,8 @@ from test_fidelity import assert_greedy_matches_transformers, hf_reference, make
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.layers import tensor_parallel_refusal
 from pagedllm.parallel.mp_executor import TensorParallelWorkerError
-from pagedllm.parallel.sharding import tensor_parallel_refusal
 
 NEW_TOKENS = 32
 # A step that hangs instead of failing would block the test forever: bounded waits only.

@@ -1,5 +1,5 @@
 """tensor_parallel_size=2 with quantization="gguf": every rank holds its shard of the file's
-quantized blocks (parallel/gguf_sharding.py): whole rows of q/k/v, gate/up and the vocabulary,
+quantized blocks (pagedllm/layers/checkpoint.py): whole rows of q/k/v, gate/up and the vocabulary,
 whole blocks of o_proj's and down_proj's input columns, the bytes of the file, never requantized.
 Greedy tokens equal tensor_parallel_size=1's for Q8_0 (llama: KV heads split), Q4_0 (qwen2: one
 KV head replicated on both ranks, q/k/v biases, tied head) and K-quants (256-value blocks), on
@@ -18,9 +18,9 @@ from test_tensor_parallel import _outputs, _shutdown
 from pagedllm import LLM
 from pagedllm.config import EngineConfig
 from pagedllm.engine.builder import native_gguf_path
+from pagedllm.layers import RowParallelLinear
+from pagedllm.layers.checkpoint import column_split_refusal as block_split_refusal
 from pagedllm.models.quantized_linear import QuantizedLinear
-from pagedllm.parallel.gguf_sharding import block_split_refusal
-from pagedllm.parallel.layers import RowParallelLinear
 
 _Q4_0 = {k: T.Q4_0 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
 # K-quants wherever the tiny K-quant llama (hidden 256, intermediate 512) splits in whole 256-value
@@ -83,11 +83,11 @@ def _column_bytes(layer: QuantizedLinear, cols: slice) -> torch.Tensor:
 def _assert_rank0_holds_the_file_blocks(tp1_model, tp2_model) -> None:
     """The driver (rank 0) holds the first half of down_proj's columns and of the vocabulary rows,
     byte for byte the TP=1 layer's (which holds the file's blocks)."""
-    full, part = tp1_model.layers[0].mlp.down_proj, tp2_model.layers[0].mlp.down_proj
+    full, part = tp1_model.layers[0].mlp.down_proj.local, tp2_model.layers[0].mlp.down_proj
     assert isinstance(part, RowParallelLinear) and isinstance(part.local, QuantizedLinear)
     assert part.local.in_features * 2 == full.in_features
     assert torch.equal(part.local.gguf_rows(), _column_bytes(full, slice(0, part.local.in_features)))
-    head, full_head = tp2_model.packed_head.local, tp1_model.packed_head
+    head, full_head = tp2_model.lm_head.local, tp1_model.lm_head.local
     assert isinstance(head, QuantizedLinear) and head.out_features * 2 == full_head.out_features
     assert torch.equal(head.gguf_rows(), full_head.gguf_rows()[: head.out_features])
 

@@ -53,12 +53,6 @@ def attention_timer() -> Iterator[list[float]]:
         _timer = None
 
 
-def timing_attention() -> bool:
-    """Whether an attention_timer is open: callers that would run attention out of attend()'s
-    sight (a whole-step kernel) take the path it times instead."""
-    return _timer is not None
-
-
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,

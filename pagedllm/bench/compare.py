@@ -63,6 +63,11 @@ def make_engine(args: argparse.Namespace, layout: str, block_size: int, max_num_
         seed=0,
     )
     engine = LLMEngine(cfg)
+    # compare times attention per layout: every layout's decode steps run through the layer loop,
+    # where attention_timer sees them (the whole-step decode plan runs attention inside one C++ call)
+    drop_plan = getattr(engine.model, "drop_decode_plan", None)
+    if drop_plan is not None:
+        drop_plan()
     # Warm-up outside the measurement: first calls allocate and pick kernels.
     run_workload(engine, [{"prompt_token_ids": list(range(3, 35)), "max_tokens": 4}], sample_kv=False)
     return engine

@@ -51,11 +51,8 @@ def load_into(model: nn.Module, name: str, t: CheckpointTensor, part: int | None
 def finish_layers(model: nn.Module, methods: LinearMethods, silu_mul_layers: tuple[str, ...] = ()) -> None:
     """Builds every parallel layer's GEMM (``silu_mul_layers``: names of fused [gate; up] layers
     whose packed GEMM may apply silu(gate) * up in its epilogue); raises on anything unloaded."""
-    missing = []
     loaded = getattr(model, "_loaded_params", set())
-    for name, p in model.named_parameters():
-        if name not in loaded:
-            missing.append(name)
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
     for name, module in model.named_modules():
         if isinstance(module, (ParallelLinear, VocabParallelEmbedding, ParallelLMHead)):
             missing += [f"{name}: {what}" for what in module.missing()]

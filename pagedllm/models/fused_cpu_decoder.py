@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_attention import attend, timing_attention
+from pagedllm.attention.paged_attention import attend
 from pagedllm.kernels.interface import CpuKernels
 from pagedllm.layers.linear import ParallelLinear
 
@@ -184,7 +184,7 @@ def forward_fused(
     residual = x  # the embedding lookup made a fresh tensor: safe to update in place
     h = model.layers[0].input_layernorm(x)
     plan = model._decoder_plan
-    if plan is not None and not meta.prefills and meta.decode_kernel is not None and not timing_attention():
+    if plan is not None and not meta.prefills and meta.decode_kernel is not None:
         # Every row a decode: the same kernels as the loop below, from one C++ call.
         return plan.decode(
             h,

@@ -165,6 +165,12 @@ class LlamaForCausalLM(nn.Module):
         take the activations between them."""
         return enable_fused_decoder(self, kernels)
 
+    def drop_decode_plan(self) -> None:
+        """Runs decode-only steps through the fused Python loop too. For benchmarks that time
+        attention (attention_timer): the whole-step plan runs it inside one C++ call, out of the
+        timer's sight. Production never calls this."""
+        self._decoder_plan = None
+
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta):
         x = self.embed_tokens(input_ids)
         rope_rows = self.rope.table_rows(positions, meta)
