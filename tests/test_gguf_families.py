@@ -1,7 +1,8 @@
 """GGUF files of each supported family (models/gguf_arch.py), written from the tiny HF checkpoints
 as llama.cpp's converter writes them: float32 files run exactly the HF model (dequantized at load
 and natively), their tokenizers come from the metadata, and other architectures are refused.
-(The quantized files of these families are held to the dequantized reference in test_quantized.)"""
+(The quantized files of these families are held to the dequantized reference in test_quantized.)
+Under tensor_parallel_size=2 both the float32 files and Q8_0 ones give TP=1's tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf_models import tiny_gemma3_llama_cpp_hf, write_gguf
+from test_tensor_parallel import _shutdown
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.gguf_arch import GGUF_ARCHITECTURES
@@ -192,3 +194,47 @@ def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
     cfg = transformers.AutoConfig.from_pretrained(tiny_llama)
     with pytest.raises(ValueError, match=r"'mamba' \(" + supported):
         next(gguf_weights(path, cfg))
+
+
+# ---- tensor_parallel_size=2 on the same files, loaded natively (quantization="gguf": the layers
+# take the file's tensors whole and keep their shard, as from any checkpoint). F32 files: greedy
+# tokens equal TP=1's and transformers' token for token (the shards of the file's values are the
+# HF folder's values). Q8_0 files (every matrix in blocks; row-parallel weights cut in whole
+# 32-value blocks): greedy tokens equal TP=1's, logprobs within what the order of the fp32
+# additions changes (test_tensor_parallel_quantized.py's tolerance for Q8_0).
+Q8_0_LOGPROB_TOLERANCE = 2e-3
+
+
+def _greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [
+        (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+        for c in (o.outputs[0] for o in outs)
+    ]
+
+
+def _tp1_and_tp2(path: str) -> tuple[list, list]:
+    kwargs = dict(model=path, dtype="float32", num_kv_blocks=64, quantization="gguf", num_threads=1)
+    tp1 = _greedy(LLM(**kwargs))
+    llm = LLM(tensor_parallel_size=2, **kwargs)
+    try:
+        assert llm.llm_engine.model.tensor_parallel_size == 2
+        return tp1, _greedy(llm)
+    finally:
+        _shutdown(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_f32_gguf_equals_tp1_and_transformers(f32_files, hf_greedy, family):
+    tp1, tp2 = _tp1_and_tp2(f32_files[family])
+    assert [toks for toks, _ in tp2] == [toks for toks, _ in tp1] == hf_greedy[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_q8_0_gguf_blocks_equal_tp1(hf_dirs, tmp_path, family):
+    path = write_gguf(hf_dirs[family], str(tmp_path / f"{family}_q8_0.gguf"), {})  # every matrix Q8_0
+    tp1, tp2 = _tp1_and_tp2(path)
+    for (toks, lps), (ref_toks, ref_lps) in zip(tp2, tp1, strict=True):
+        assert toks == ref_toks
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < Q8_0_LOGPROB_TOLERANCE
