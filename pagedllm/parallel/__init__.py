@@ -1,3 +1,3 @@
-"""Tensor parallelism on one node: Megatron-style sharding of the Llama family over
-torch.distributed (gloo on the CPU) and the multiprocessing executor that runs one model-runner
-step on every rank. See docs/scaling.md."""
+"""Tensor parallelism on one node: the process group and its collectives (group.py), and the
+executors that run one model-runner step on every rank (mp_executor.py, ray_executor.py,
+worker.py). The layers that hold a rank's shard are pagedllm.layers'. See docs/scaling.md."""
