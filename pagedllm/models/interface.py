@@ -1,9 +1,10 @@
 """What the loader, the engine builder, the runner and the benchmarks expect of a model.
 
-Every family (llama.py, gpt2.py, opt.py) provides this; nothing outside pagedllm.models looks at
-a family's own layers. The loader builds a model on the meta device, materialises it with
-``to_empty`` (which leaves non-persistent buffers uninitialised), copies the checkpoint in with
-``load_hf_weights`` and then lets the model recompute what is computed rather than loaded
+Every family (llama.py, gemma3.py, phi3.py, gpt2.py, opt.py) provides this; nothing outside
+pagedllm.models looks at a family's own layers. The loader (loader.py) builds a model (one
+tensor-parallel rank's, or the whole), streams the checkpoint's tensors into ``load_weights``
+(each layer keeps its shard), has ``finish_weights`` build the layers' GEMMs in the weight
+formats it chose, and then lets the model recompute what is computed rather than loaded
 (``init_computed_buffers``: RoPE tables, for instance).
 """
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.interface import CpuKernels
+from pagedllm.layers import CheckpointTensor, LinearMethods
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -57,14 +58,15 @@ class CausalLM(Protocol):
         """dtype of the hidden states (and so of the KV cache)."""
         ...
 
-    def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face-named checkpoint tensors in; raises on unknown, missing or misshapen ones."""
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Takes Hugging Face-named checkpoint tensors (float, or GGUF block rows); raises on
+        unknown or misshapen ones."""
+        ...
+
+    def finish_weights(self, methods: LinearMethods) -> None:
+        """Builds the layers' GEMMs in ``methods``' weight formats; raises on missing weights."""
         ...
 
     def init_computed_buffers(self, device: torch.device) -> None:
         """Recomputes on ``device`` the buffers made from the config, not the checkpoint."""
-        ...
-
-    def pack_for_cpu(self, kernels: CpuKernels | None = None) -> int:
-        """Lays bf16 matmul weights out for the CPU kernels; returns how many layers it packed."""
         ...
