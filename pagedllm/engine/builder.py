@@ -17,10 +17,10 @@ from pagedllm.host_memory import keep_freed_memory_in_heap, release_freed_heap
 from pagedllm.kernels.interface import CpuKernels
 from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
+from pagedllm.layers.linear_method import LinearMethods
 from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.attention_windows import layer_windows, sliding_window
 from pagedllm.models.hub_cache import is_repo_id
-from pagedllm.layers.linear_method import LinearMethods
 from pagedllm.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory

@@ -160,7 +160,9 @@ class QKVParallelLinear(ParallelLinear):
         bias: bool = False,
         tp: TensorParallelGroup | None = None,
     ) -> None:
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp)
+        super().__init__(
+            hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp
+        )
         world, rank = self.world_size, self.rank
         if num_heads % world:
             raise ValueError(f"{num_heads} attention heads do not split over {world} ranks")

@@ -53,7 +53,7 @@ def finish_layers(model: nn.Module, methods: LinearMethods, silu_mul_layers: tup
     whose packed GEMM may apply silu(gate) * up in its epilogue); raises on anything unloaded."""
     missing = []
     loaded = getattr(model, "_loaded_params", set())
-    for name, p in model.named_parameters():
+    for name, _p in model.named_parameters():
         if name not in loaded:
             missing.append(name)
     for name, module in model.named_modules():
