@@ -14,6 +14,8 @@ from test_fidelity import assert_greedy_matches_transformers
 from tiny_models import build_model
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers import LinearMethods
+from pagedllm.models.cpu_linear import PackedLinear
 from pagedllm.models.interface import CausalLM
 
 FAMILIES = ["gpt2", "opt", "opt_postln"]
@@ -68,7 +70,7 @@ def test_structure_follows_the_config(tiny_model_dirs):
     assert models["opt"].final_norm is not None and models["opt"].project_in is None
     post = models["opt_postln"]
     assert post.final_norm is None and not post.layers[0].pre_norm
-    assert post.project_in.weight.shape == (64, 32) and post.project_out.weight.shape == (32, 64)
+    assert post.project_in.local.weight.shape == (64, 32) and post.project_out.local.weight.shape == (32, 64)
 
 
 def _checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
@@ -78,10 +80,12 @@ def _checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _loaded(cls, model_dir: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's weights after loading ``tensors`` and building its float32 GEMMs."""
     from transformers import AutoConfig
 
     model = cls(AutoConfig.from_pretrained(model_dir), 64)
-    model.load_hf_weights(tensors.items())
+    model.load_weights(tensors.items())
+    model.finish_weights(LinearMethods(torch.float32))
     return model.state_dict()
 
 
@@ -99,7 +103,7 @@ def test_gpt2_loads_the_hub_layout(tiny_model_dirs):
     a, b = _loaded(GPT2LMHeadModel, d, ours), _loaded(GPT2LMHeadModel, d, hub)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # Conv1D [in, out] became nn.Linear [out, in]
-    assert torch.equal(a["layers.0.self_attn.qkv_proj.weight"], ours["transformer.h.0.attn.c_attn.weight"].t())
+    assert torch.equal(a["layers.0.self_attn.qkv_proj.local.weight"], ours["transformer.h.0.attn.c_attn.weight"].t())
 
 
 def test_opt_loads_the_older_layout(tiny_model_dirs):
@@ -184,7 +188,7 @@ def test_bf16_packed_forward_picks_reference_tokens(tiny_model_dirs, tmp_path, f
     outs = {}
     for backend in ("auto", "torch"):
         llm = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=64, attention_backend=backend)
-        assert llm.llm_engine.model.packed_head is not None
+        assert isinstance(llm.llm_engine.model.lm_head.local, PackedLinear)
         if backend == "auto" and overrides is HEAD_DIM_64 and kernels.prefill_attention_available(64, 16):
             assert llm.llm_engine.runner.prefill_kernel is not None
         requests = [{"prompt_token_ids": p} for p in prompts]

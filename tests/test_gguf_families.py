@@ -29,10 +29,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 T = GGMLQuantizationType
 # llama: permuted q/k rows; qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused q/k/v and
 # gate/up, LongRoPE factors as tensors; phi3_partial: RoPE on 3/4 of each head (its q/k rows reordered)
-# gpt2: LayerNorm decoder, learned positions, Conv1D weights (dequantized only); gemma3: norms
-# stored + 1, five sliding layers (window 24, narrower than the long prompt) and a global one, GQA
+# gpt2: LayerNorm decoder, learned positions, Conv1D weights; gemma3: norms stored + 1, five
+# sliding layers (window 24, narrower than the long prompt) and a global one, GQA
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "phi3_partial", "gpt2", "gemma3")
-DEQUANTIZED_ONLY = {"gpt2"}
+OWN_CONFIG_KEYS = {"gpt2"}  # not Llama-like: its config has its own keys, none of RoPE's
 MATRICES = (
     *("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
     *("token_embd", "position_embd", "output"),
@@ -104,15 +104,39 @@ def hf_greedy(hf_dirs) -> dict[str, list[list[int]]]:
 def test_f32_gguf_greedy_equals_the_hf_folder(f32_files, hf_greedy, hf_dirs, family, quantization):
     """A wrong q/k row order breaks RoPE, a lost bias or q/k norm changes every logit: either flips
     greedy tokens of these random models within a few steps."""
-    if quantization == "gguf" and family in DEQUANTIZED_ONLY:
-        with pytest.raises(NotImplementedError, match="do not run natively"):
-            LLM(model=f32_files[family], dtype="float32", num_kv_blocks=64, quantization=quantization)
-        quantization = "auto"  # what a plain LLM(path) does with such a file: dequantize it
     llm = LLM(model=f32_files[family], dtype="float32", num_kv_blocks=64, quantization=quantization)
     assert type(llm.llm_engine.model) is get_model_class(transformers.AutoConfig.from_pretrained(hf_dirs[family]))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy[family]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_quantized_gpt2_runs_in_its_blocks(hf_dirs, tmp_path, monkeypatch, backend):
+    """GPT-2's matrices in Q8_0 stay the file's blocks, already [out, in] (llama.cpp transposed
+    the Conv1D weights; only float tensors are transposed back), on the integer kernels ("auto")
+    or dequantized per GEMM ("torch"), and pick the greedy tokens of the file dequantized at load.
+    (The kernels' int16 rounding of the activations, ~1e-5 relative, flips none of these tokens.)"""
+    from pagedllm.kernels import load_cpu_kernels
+    from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+    if backend == "auto" and load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(hf_dirs["gpt2"], str(tmp_path / "gpt2-q8_0.gguf"), dict.fromkeys(MATRICES, T.Q8_0))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens = {}
+    for quantization in ("gguf", None):
+        llm = LLM(model=path, dtype="float32", num_kv_blocks=64, quantization=quantization, attention_backend=backend)
+        model = llm.llm_engine.model
+        layer = model.layers[0]
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.fc1, layer.mlp.fc2)
+        native = quantization == "gguf"
+        assert all(isinstance(p.local, QuantizedLinear) == native for p in projections)
+        assert isinstance(model.embed_tokens.local, QuantizedEmbedding) == native
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        tokens[quantization] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["gguf"] == tokens[None]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -127,7 +151,7 @@ def test_converted_config_is_the_families(f32_files, hf_dirs, family):
     # None; Gemma 3's local RoPE base goes into rope_parameters)
     derived = {"rope_scaling", "rope_theta", "head_dim", "attention_bias"}
     derived |= {"rope_local_base_freq"} if family == "gemma3" else set()
-    assert written > derived or family in DEQUANTIZED_ONLY  # GPT-2's config has none of them
+    assert written > derived or family in OWN_CONFIG_KEYS  # GPT-2's config has none of them
     for key in sorted(written - derived):
         assert getattr(ours, key) == getattr(ref, key), key
 

@@ -300,10 +300,9 @@ def native_gguf_path(config: EngineConfig) -> str | None:
     if config.attention_backend != "auto":
         return None
     from pagedllm.kernels import load_cpu_kernels
-    from pagedllm.models.gguf_weights import runs_natively, tensor_parallel_refusal
+    from pagedllm.models.gguf_weights import tensor_parallel_refusal
 
-    # a family the native loader does not build (GPT-2) dequantizes at load
-    if load_cpu_kernels() is None or not runs_natively(source):
+    if load_cpu_kernels() is None:
         return None
     if config.tensor_parallel_size > 1:
         # "gguf" refuses such a file at load; "auto" runs it as it can: float weights shard anywhere

@@ -126,27 +126,6 @@ def _packing_works() -> bool:
         return False
 
 
-def pack_linears(
-    model: nn.Module, kernels: CpuKernels | None = None, fuse_silu_mul_names: tuple[str, ...] = ()
-) -> list[PackedLinear]:
-    """Replaces the bf16 nn.Linear layers of a CPU model by PackedLinear; returns them.
-    Children named in ``fuse_silu_mul_names`` are fused [gate; up] projections."""
-    if not torch.backends.mkldnn.is_available() or not _packing_works():
-        return []
-    packed = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (
-                isinstance(child, nn.Linear)
-                and child.weight.dtype == torch.bfloat16
-                and child.weight.device.type == "cpu"
-            ):
-                layer = PackedLinear(child, kernels, fuse_silu_mul=name in fuse_silu_mul_names)
-                setattr(parent, name, layer)
-                packed.append(layer)
-    return packed
-
-
 def packed_lm_head(weight: torch.Tensor, kernels: CpuKernels | None = None) -> PackedLinear:
     """The LM head over ``weight`` [vocab, hidden] (the embedding itself when tied) as a PackedLinear."""
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")

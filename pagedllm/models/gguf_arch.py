@@ -76,7 +76,7 @@ class GGUFArchitecture:
     conv1d: frozenset[str] = frozenset()
     # HF names' endings of the row-parallel weights (split by input columns under tensor parallelism)
     row_parallel: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-    # Llama-like: the config gets the RoPE / RMSNorm / SiLU keys and the native loader runs it
+    # Llama-like: the converted config gets the RoPE / RMSNorm / SiLU keys (else the family's own)
     llama_like: bool = True
     # What llama.cpp's converter added to every norm weight (Gemma's x * (1 + w) is stored as w + 1,
     # since llama.cpp multiplies by the stored weight): both loaders subtract it again
@@ -170,7 +170,7 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
             config={"use_sliding_window": False},
         ),
         # LayerNorm decoder, learned positions, fused q/k/v; llama.cpp writes output as a copy of
-        # token_embd (tied); dequantized only (the native loader builds Llama-like layers)
+        # token_embd (tied)
         "gpt2": GGUFArchitecture(
             "GPT2LMHeadModel",
             "gpt2",

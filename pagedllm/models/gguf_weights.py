@@ -118,15 +118,6 @@ def gguf_weights(gguf_path: str, hf_config, keep_blocks: bool = True) -> Iterato
         _log_dequantized(dequantized)
 
 
-def runs_natively(gguf_path: str) -> bool:
-    """Whether the file's family loads in its quantized blocks; an unsupported family answers
-    True, so that loading it names the supported ones."""
-    try:
-        return gguf_architecture(file_index(gguf_path).architecture, gguf_path).llama_like
-    except ValueError:
-        return True
-
-
 def tensor_parallel_refusal(gguf_path: str, world_size: int) -> str | None:
     """Why the file's row-parallel weights (o_proj, down_proj) do not split over ``world_size``
     ranks in whole quantization blocks, or None."""

@@ -1,18 +1,18 @@
 """GPT-2 (``GPT2LMHeadModel``) on the shared LayerNorm decoder (layernorm_decoder.py).
 
 What is GPT-2's own: its config's names, the options it refuses, and its checkpoint: Conv1D
-weights stored [in, out] (transposed against nn.Linear), q/k/v already fused in ``c_attn``,
-names with or without the ``transformer.`` prefix, and the causal-mask buffers older
-checkpoints saved (``attn.bias`` / ``attn.masked_bias``), which are not weights.
+weights stored [in, out] (transposed against nn.Linear), q/k/v already fused in ``c_attn``
+(the QKV layer splits it into its parts), names with or without the ``transformer.`` prefix, and
+the causal-mask buffers older checkpoints saved (``attn.bias`` / ``attn.masked_bias``), which
+are not weights. A GGUF file's matrices come as block rows already in [out, in] order (llama.cpp's
+converter transposed the Conv1D weights), so only float tensors are transposed here.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 
-import torch
-
+from pagedllm.layers import BlockRows, CheckpointTensor
 from pagedllm.models.layernorm_decoder import DecoderSpec, LearnedPositionDecoder, check_activation
 
 # GPT-2 checkpoint name (after "transformer.") -> ours, and whether it is a Conv1D weight ([in, out]).
@@ -65,18 +65,17 @@ class GPT2LMHeadModel(LearnedPositionDecoder):
     family = "GPT-2"
     make_spec = staticmethod(gpt2_spec)
 
-    def own_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in tensors:
-            name = name.removeprefix("transformer.")
-            if _MASK_BUFFER.fullmatch(name):
-                continue
-            top, _, kind = name.partition(".")
-            if top in _TOP_NAMES:
-                yield f"{_TOP_NAMES[top]}.{kind}", t
-                continue
-            m = _LAYER.fullmatch(name)
-            if m is None or m[2] not in _LAYER_NAMES:
-                yield name, t  # lm_head.weight (ours too), or one load_hf_weights refuses
-                continue
-            ours, conv1d = _LAYER_NAMES[m[2]]
-            yield f"layers.{m[1]}.{ours}.{m[3]}", t.t() if conv1d and m[3] == "weight" else t
+    def own_name(self, name: str, t: CheckpointTensor) -> tuple[str, CheckpointTensor, int | None] | None:
+        name = name.removeprefix("transformer.")
+        if _MASK_BUFFER.fullmatch(name):
+            return None
+        top, _, kind = name.partition(".")
+        if top in _TOP_NAMES:
+            return f"{_TOP_NAMES[top]}.{kind}", t, None
+        m = _LAYER.fullmatch(name)
+        if m is None or m[2] not in _LAYER_NAMES:
+            return name, t, None  # lm_head.weight (ours too), or one load_into refuses
+        ours, conv1d = _LAYER_NAMES[m[2]]
+        if conv1d and m[3] == "weight" and not isinstance(t, BlockRows):
+            t = t.t()
+        return f"layers.{m[1]}.{ours}.{m[3]}", t, None

@@ -4,13 +4,21 @@ two-matmul MLP, a tied LM head, over a paged KV cache.
 The families differ only in what their configs set (pre- or post-LN, a position offset, a
 word-embedding width other than the hidden size, the activation, where the query is scaled) and
 in their checkpoints' names and layouts: gpt2.py and opt.py turn both into a ``DecoderSpec`` and
-own-named tensors; the math lives here once. Numerics follow transformers (nn.LayerNorm, the same
-order of operations) so fp32 greedy output matches it token for token.
+name each checkpoint tensor in this module's terms (``own_name``); the math lives here once.
+Numerics follow transformers (nn.LayerNorm, the same order of operations) so fp32 greedy output
+matches it token for token.
+
+The projections, the token embedding and the head are pagedllm.layers' parallel layers, so a
+``tp`` group splits the model as Megatron-LM does: each rank holds its heads of q/k/v and its
+columns of fc1 (column-parallel), the matching input columns of o_proj and fc2 (row-parallel,
+one all-reduce each), and its rows of the vocabulary. What is small stays whole on every rank:
+the LayerNorms, the learned positions, and OPT-350m's project_in / project_out (replicated: a
+split would cost two more collectives a step for a 512 x 1024 matrix).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +27,18 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import paged_attention
-from pagedllm.kernels.interface import CpuKernels
-from pagedllm.models.weight_copy import check_all_loaded, copy_weight
+from pagedllm.layers import (
+    CheckpointTensor,
+    ColumnParallelLinear,
+    LinearMethods,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    finish_layers,
+    load_into,
+)
+from pagedllm.parallel.group import TensorParallelGroup
 
 # transformers' activation names this decoder implements. "gelu_new" is the tanh approximation
 # (GPT-2's), the same function as torch's approximate="tanh".
@@ -66,31 +84,34 @@ def check_activation(name: str, family: str) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    """Multi-head attention over this rank's heads (all of them without ``tp``)."""
+
+    def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.num_heads = self.num_kv_heads = spec.num_heads
         self.head_dim = spec.hidden_size // spec.num_heads
-        self.hidden_size = spec.hidden_size
         self.scale = self.head_dim**-0.5
         self.prescale_query = spec.prescale_query
-        self.qkv_proj = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=spec.bias)
-        self.o_proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=spec.bias)
+        h = spec.hidden_size
+        self.qkv_proj = QKVParallelLinear(h, self.head_dim, spec.num_heads, spec.num_heads, spec.bias, tp)
+        self.num_heads = self.num_kv_heads = self.qkv_proj.num_heads  # this rank's
+        self.o_proj = RowParallelLinear(h, h, spec.bias, tp)
 
     def forward(self, x: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
+        # the local output is [q; k; v] of this rank's heads, three equal parts
         q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         scale = self.scale
         if self.prescale_query:
             q, scale = q * self.scale, 1.0
         o = paged_attention(q, k.contiguous(), v.contiguous(), k_cache, v_cache, meta, scale)
-        return self.o_proj(o.reshape(t, self.hidden_size))
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(spec.hidden_size, spec.ffn_dim, bias=spec.bias)
-        self.fc2 = nn.Linear(spec.ffn_dim, spec.hidden_size, bias=spec.bias)
+        self.fc1 = ColumnParallelLinear(spec.hidden_size, spec.ffn_dim, spec.bias, tp)
+        self.fc2 = RowParallelLinear(spec.ffn_dim, spec.hidden_size, spec.bias, tp)
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,13 +119,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         self.pre_norm = spec.pre_norm
         self.attn_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, elementwise_affine=spec.norm_affine)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, tp)
         self.mlp_norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, elementwise_affine=spec.norm_affine)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if self.pre_norm:
@@ -117,17 +138,18 @@ class DecoderLayer(nn.Module):
 
 class LearnedPositionDecoder(nn.Module):
     """``forward(input_ids[T], positions[T], kv_caches, meta)`` -> final hidden states [T, embed_dim].
+    ``tp``: this rank's tensor-parallel group (None: the whole model).
 
     A family subclass sets ``family`` and ``make_spec`` (its config -> DecoderSpec) and implements
-    ``own_tensors``: the checkpoint's tensors under this module's parameter names, in its layout
-    (see load_hf_weights)."""
+    ``own_name``: where a checkpoint tensor goes in this module (see load_weights)."""
 
     family = "decoder"  # the family's name in messages
     make_spec: Callable[[object], DecoderSpec]
 
-    def __init__(self, hf_config, max_model_len: int) -> None:
+    def __init__(self, hf_config, max_model_len: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = hf_config
+        self.tensor_parallel_size = 1 if tp is None else tp.world_size
         spec = type(self).make_spec(hf_config)
         if max_model_len > spec.max_positions:
             # Positions past the table have no embedding: refuse rather than index out of it.
@@ -135,21 +157,21 @@ class LearnedPositionDecoder(nn.Module):
                 f"max_model_len={max_model_len} exceeds {self.family}'s {spec.max_positions} learned positions."
             )
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.embed_dim)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.embed_dim, tp)
         self.embed_positions = nn.Embedding(spec.max_positions + spec.position_offset, spec.hidden_size)
         projected = spec.embed_dim != spec.hidden_size
-        self.project_in = nn.Linear(spec.embed_dim, spec.hidden_size, bias=False) if projected else None
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.project_in = ColumnParallelLinear(spec.embed_dim, spec.hidden_size) if projected else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
         self.final_norm = (
             nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps, elementwise_affine=spec.norm_affine)
             if spec.final_norm
             else None
         )
-        self.project_out = nn.Linear(spec.hidden_size, spec.embed_dim, bias=False) if projected else None
+        self.project_out = ColumnParallelLinear(spec.hidden_size, spec.embed_dim) if projected else None
         self.tie_word_embeddings = spec.tie_word_embeddings
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.embed_dim, spec.vocab_size, bias=False)
-        self.packed_head = None
+        self.lm_head = ParallelLMHead(
+            spec.vocab_size, spec.embed_dim, tp, self.embed_tokens if self.tie_word_embeddings else None
+        )
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
@@ -166,59 +188,41 @@ class LearnedPositionDecoder(nn.Module):
             x = self.project_out(x)
         return x
 
-    def _head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler widens them only when it has to)."""
-        if self.packed_head is not None:
-            return self.packed_head(hidden)
-        return F.linear(hidden, self._head_weight())
+        return self.lm_head(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """argmax of the logits per row without writing them, where the packed head can; else None."""
-        return self.packed_head.argmax(hidden) if self.packed_head is not None else None
+        """argmax of the logits per row without writing them, where the head can; else None."""
+        return self.lm_head.argmax(hidden)
 
     def activation_dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """dtype of the hidden states: the learned positions' (a plain float parameter on every
+        path, where the token embedding may hold GGUF blocks)."""
+        return self.embed_positions.weight.dtype
 
     def init_computed_buffers(self, device: torch.device) -> None:
         """Nothing to compute: the positions are learned, every tensor comes from the checkpoint."""
 
-    def pack_for_cpu(self, kernels: CpuKernels | None = None) -> int:
-        """Lays bf16 matmul weights out for the CPU kernels (see cpu_linear); returns the layers packed."""
-        from pagedllm.models.cpu_linear import pack_linears, packed_lm_head, place_on_huge_pages
-
-        packed = pack_linears(self.layers, kernels)
-        if packed:
-            self.packed_head = packed_lm_head(self._head_weight(), kernels)
-            packed.append(self.packed_head)
-            place_on_huge_pages(packed)
-        return len(packed)
-
-    def own_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors as (own parameter name, tensor in our layout); the family's
-        part. A name it does not know it passes on as it is, for load_hf_weights to refuse."""
+    # ---- weights -------------------------------------------------------------------------
+    def own_name(self, name: str, t: CheckpointTensor) -> tuple[str, CheckpointTensor, int | None] | None:
+        """Where checkpoint tensor ``name`` goes: (this module's name for it, the tensor in
+        nn.Linear's [out, in] layout, its part of a fused layer or None), or None for a tensor
+        that is not a weight. A name it does not know it returns as it is, for load_into to
+        refuse. The family's part."""
         raise NotImplementedError
 
-    def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies a Hugging Face checkpoint in. The family names and lays out each tensor
-        (own_tensors); parts of the fused q/k/v projection ("...qkv_proj.weight#0" .. "#2") are
-        concatenated here in that order. A tied head's saved copy of the embedding is skipped."""
-        own = dict(self.named_parameters())
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        loaded = set()
-        if self.tie_word_embeddings:
-            tensors = ((name, t) for name, t in tensors if name != "lm_head.weight")
-        for name, t in self.own_tensors(tensors):
-            name, _, part = name.partition("#")
-            if part:
-                parts = pending.setdefault(name, {})
-                parts[int(part)] = t
-                if len(parts) < 3:
-                    continue
-                del pending[name]
-                t = torch.cat([parts[i] for i in range(3)], dim=0)
-            copy_weight(own, name, t)
-            loaded.add(name)
-        check_all_loaded(own, loaded, pending)
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Takes Hugging Face-named checkpoint tensors (float, or GGUF block rows); each layer
+        keeps its shard (pagedllm.layers). A tied head's saved copy of the embedding is skipped:
+        the head reads the embedding's rows."""
+        for name, t in tensors:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            own = self.own_name(name, t)
+            if own is not None:
+                load_into(self, *own)
+
+    def finish_weights(self, methods: LinearMethods) -> None:
+        """Builds every layer's GEMM in the loader's weight formats (after load_weights)."""
+        finish_layers(self, methods)

@@ -4,16 +4,15 @@ OPT's own: position ids offset by 2 in its table (metaseq's padding convention),
 (``do_layer_norm_before``; OPT-350m is post-LN), word embeddings narrower than the hidden size
 through ``project_in`` / ``project_out`` (OPT-350m again), the final LayerNorm only where
 transformers builds one (pre-LN, unless ``_remove_final_layer_norm``), the query scaled before
-attention, and separate q/k/v projections in the checkpoint (fused here).
+attention, and separate q/k/v projections in the checkpoint (parts 0 / 1 / 2 of the fused QKV
+layer here).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 
-import torch
-
+from pagedllm.layers import CheckpointTensor
 from pagedllm.models.layernorm_decoder import DecoderSpec, LearnedPositionDecoder, check_activation
 
 POSITION_OFFSET = 2
@@ -58,18 +57,15 @@ class OPTForCausalLM(LearnedPositionDecoder):
     family = "OPT"
     make_spec = staticmethod(opt_spec)
 
-    def own_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in tensors:
-            # "model.decoder.*" (transformers' layout) or "decoder.*" (older checkpoints)
-            name = name.removeprefix("model.").removeprefix("decoder.")
-            top, _, kind = name.partition(".")
-            if top in _TOP_NAMES:
-                yield f"{'final_norm' if top == 'final_layer_norm' else top}.{kind}", t
-                continue
-            m = _LAYER.fullmatch(name)
-            if m is not None and m[2] in _QKV_PART:
-                yield f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}#{_QKV_PART[m[2]]}", t
-            elif m is not None and m[2] in _LAYER_NAMES:
-                yield f"layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}", t
-            else:
-                yield name, t  # lm_head.weight (ours too), or one load_hf_weights refuses
+    def own_name(self, name: str, t: CheckpointTensor) -> tuple[str, CheckpointTensor, int | None]:
+        # "model.decoder.*" (transformers' layout) or "decoder.*" (older checkpoints)
+        name = name.removeprefix("model.").removeprefix("decoder.")
+        top, _, kind = name.partition(".")
+        if top in _TOP_NAMES:
+            return f"{'final_norm' if top == 'final_layer_norm' else top}.{kind}", t, None
+        m = _LAYER.fullmatch(name)
+        if m is not None and m[2] in _QKV_PART:
+            return f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}", t, _QKV_PART[m[2]]
+        if m is not None and m[2] in _LAYER_NAMES:
+            return f"layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}", t, None
+        return name, t, None  # lm_head.weight (ours too), or one load_into refuses
