@@ -7,7 +7,10 @@ added once after the row-parallel all-reduces, learned positions replicated, a t
 vocabulary shards. Each rank's shard is checked against the whole model's weights too, so a
 model that ignored its group (every rank computing everything) cannot pass.
 
-One entry per family: the Llama families' entries are in test_tensor_parallel.py for now."""
+Gemma 3 (GQA, sliding and global layers, q/k norms, GeGLU) and Phi-3 (fused q/k/v and gate/up in
+the checkpoint, split by the layers; LongRoPE; Phi-4-mini's partial rotary dims, whose q/k rows
+are reordered before a rank takes its heads) likewise. Llama, Mistral, Qwen2 and Qwen3:
+test_tensor_parallel.py; GGUF files of every family: test_gguf_families.py."""
 
 from __future__ import annotations
 
@@ -15,13 +18,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fidelity import assert_greedy_matches_transformers
+from test_family_phi3 import hf_phi3_reference
+from test_fidelity import assert_greedy_matches_transformers, hf_reference
 
 from pagedllm.layers import LinearMethods
 from pagedllm.models.loader import iter_safetensors, load_hf_config
 from pagedllm.models.registry import get_model_class
 
 FAMILIES = ["gpt2", "opt", "opt_postln"]
+# transformers' greedy of each family as its own test computes it (Phi-3: generate recomputes
+# LongRoPE's cache where a sequence crosses the original context)
+ROPE_FAMILIES = {"gemma3": hf_reference, "phi3": hf_phi3_reference, "phi3_partial": hf_phi3_reference}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,6 +45,19 @@ def test_tp2_greedy_matches_tp1_and_transformers(tiny_model_dirs, family, backen
     tp2 = assert_greedy_matches_transformers(
         model_dir, tensor_parallel_size=2, attention_backend=backend, num_threads=1
     )
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+    assert len({t for o in tp2 for t in o.outputs[0].token_ids}) > 20  # not a degenerate model
+
+
+@pytest.mark.parametrize("family", sorted(ROPE_FAMILIES))
+def test_tp2_rope_families_match_tp1_and_transformers(tiny_model_dirs, family):
+    import pagedllm.kernels
+
+    if pagedllm.kernels.load_cpu_kernels() is None:
+        pytest.skip("CPU kernels not built here")
+    model_dir, reference = tiny_model_dirs[family], ROPE_FAMILIES[family]
+    tp1 = assert_greedy_matches_transformers(model_dir, reference)
+    tp2 = assert_greedy_matches_transformers(model_dir, reference, tensor_parallel_size=2, num_threads=1)
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
     assert len({t for o in tp2 for t in o.outputs[0].token_ids}) > 20  # not a degenerate model
 
