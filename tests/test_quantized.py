@@ -19,7 +19,9 @@ from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS = (1, 7, 64, 300)
-INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q8_0)  # repacked eight rows at a time (quant_gemm_interleaved.cpp)
+# repacked eight rows at a time (quant_gemm_interleaved.cpp; quant_gemm_q4k.cpp, quant_gemm_q6k.cpp)
+INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
+REPACKED_IN_PLACE = (T.Q4_0, T.Q4_1, T.Q8_0)  # the same bytes, permuted (Q4_K's scales are unpacked)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +93,7 @@ def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def interleaved(kernels, w: torch.Tensor, qtype) -> tuple[torch.Tensor, int]:
     """(a repacked copy of GGUF rows w, quant_gemm's code for it)."""
-    p = w.clone()
-    kernels.quant_interleave_rows(p, int(qtype))
+    p = kernels.quant_interleave_rows(w.clone(), int(qtype))
     return p, kernels.interleaved_qtype(int(qtype))
 
 
@@ -113,8 +114,14 @@ def test_interleaved_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, r
 def test_interleaving_permutes_the_file_bytes(kernels, qtype):
     w, _ = make_weight(qtype, 24, 256, seed=5)
     p, _ = interleaved(kernels, w, qtype)
-    assert not torch.equal(p, w) and p.shape == w.shape
-    assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)  # the same bytes
+    if qtype in REPACKED_IN_PLACE:
+        assert not torch.equal(p, w) and p.shape == w.shape
+        assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)  # the same bytes
+    elif qtype == T.Q4_K:  # 8 rows x 144 bytes a super-block, plus its 6-bit scales and mins as bytes
+        assert p.shape == (24, 1184 // 8)
+    else:  # Q6_K: the file's bytes, regrouped
+        assert p.shape == w.shape and not torch.equal(p, w)
+        assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)
     assert torch.equal(kernels.quant_interleaved_rows(p, int(qtype), torch.arange(24)), w)
     ids = torch.tensor([23, 0, 9, 9, 16])  # rows of any group, any order, repeated: embedding lookups
     assert torch.equal(kernels.quant_interleaved_rows(p, int(qtype), ids), w[ids])
@@ -162,7 +169,7 @@ def test_zero_rows_and_zero_activations(kernels):
     assert torch.equal(kernels.quant_gemm(torch.zeros(3, 64), w, int(T.Q4_1)), torch.zeros(3, 16))
 
 
-@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q8_0, T.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K), ids=lambda t: t.name)
 def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     w, wf = make_weight(qtype, 48, 256)
     bias = torch.randn(48)
@@ -171,7 +178,7 @@ def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     fast = QuantizedLinear(w.clone(), int(qtype), 256, bias, kernels)  # the layer owns its rows
     assert ref.kernels is None and fast.kernels is not None
     assert fast.interleaved == (qtype in INTERLEAVED) and not ref.interleaved
-    assert torch.equal(fast.qweight, w) != fast.interleaved  # repacked in place
+    assert torch.equal(fast.qweight, w) != fast.interleaved  # repacked (Q4_0 / Q4_1 / Q8_0: in place)
     torch.testing.assert_close(fast.dequantized_weight(), wf, rtol=0, atol=0)
     torch.testing.assert_close(ref(x), torch.nn.functional.linear(x, wf, bias), rtol=1e-5, atol=1e-5)
     # the kernels' activation rounding (see the bound tests above): int16 ~1e-5 of the output
@@ -267,11 +274,11 @@ def _hidden(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
     return captured[0]
 
 
-# Max logit error allowed, as a fraction of the logit scale. K-quants: int16 activations at every
-# layer (~1e-5 relative rounding each) and another summation order, far below 0.1%. The legacy
-# files' Q4_0 / Q4_1 layers run int8 activations (llama.cpp's scheme: amax / 254 per element,
-# ~0.4% of a typical element) through two layers and the head of this random model: a few percent.
-KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 1e-3, "qwen2": 5e-2, "qwen3": 5e-2, "gemma3": 5e-2}
+# Max logit error allowed, as a fraction of the logit scale. Q4_0 / Q4_1 / Q4_K / Q6_K layers (the
+# legacy files', and the K-quant file's Q4_K and Q6_K ones) run int8 activations (llama.cpp's scheme:
+# amax / 254 per element, ~0.4% of a typical element) through two layers and the head of this
+# random model: a few percent. Q5_K / Q8_0 layers run int16 ones (~1e-5 relative rounding).
+KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 5e-2, "qwen2": 5e-2, "qwen3": 5e-2, "gemma3": 5e-2}
 
 
 @pytest.mark.parametrize("which", sorted(KERNEL_LOGIT_TOLERANCE))
@@ -301,13 +308,14 @@ def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantizatio
 
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
 def test_native_load_interleaves_the_formats_with_that_kernel(gguf_files, kernels, which):
-    """Q4_0 / Q4_1 / Q8_0 layers (rows a multiple of 8) are repacked for the interleaved kernel at
-    load; the K-quants keep the file's order."""
+    """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K layers (rows a multiple of 8) are repacked for the
+    interleaved kernels at load; Q5_K keeps the file's order."""
     model = LLM(model=gguf_files[which], dtype="float32", num_kv_blocks=32, quantization="gguf").llm_engine.model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     expected = [m.qtype in {int(t) for t in INTERLEAVED} and m.out_features % 8 == 0 for m in layers]
     assert [m.interleaved for m in layers] == expected
-    assert any(expected) == (which == "legacy")
+    assert any(expected)
+    assert all(m.interleaved for m in layers) == (which == "legacy")  # the K-quant file: Q5_K too
 
 
 def test_quantization_flag_validation(tiny_llama):
@@ -420,7 +428,7 @@ def assert_plan_is_the_fused_loop(llm: LLM) -> None:
 
 @pytest.mark.parametrize("which", ["legacy", "kquant", "qwen2"])  # qwen3 (q/k norms) has no plan
 def test_decoder_plan_equals_the_fused_loop_gguf(gguf_files, kernels, which):
-    # kquant mixes formats inside the fused qkv projection (a ConcatLinear of three GEMMs), as do
+    # kquant mixes formats inside the fused qkv projection (a ConcatLinear: Q4_K q and k, Q6_K v), as do
     # the legacy files
     llm = LLM(
         model=gguf_files[which], dtype="float32", num_kv_blocks=256, quantization="gguf", enable_prefix_caching=False

@@ -58,7 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
   m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");
   m.def("quant_interleave_rows", &quant_interleave_rows,
-        "repack Q4_0 / Q4_1 / Q8_0 rows (a multiple of 8) in place, eight rows per group, for quant_gemm_interleaved");
+        "repack Q4_0 / Q4_1 / Q8_0 (in place) or Q4_K (a new tensor) rows, a multiple of 8, eight rows per "
+        "group, for quant_gemm_interleaved; returns the repacked tensor");
   m.def("quant_interleaved_rows", &quant_interleaved_rows,
         "rows `ids` of weights repacked by quant_interleave_rows, as GGUF rows (embedding lookups)");
   m.def("quant_gemm_interleaved", &quant_gemm_interleaved,

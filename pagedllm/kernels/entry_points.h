@@ -25,14 +25,20 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<t
 bool packed_gemm_available();
 bool amx_available();
 torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
-// quant_gemm's type codes for Q4_0 / Q4_1 / Q8_0 weights repacked by quant_interleave_rows (as ggml
+// quant_gemm's type codes for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights repacked by quant_interleave_rows (as ggml
 // gives its repacked Q4_0_8_8 a type of its own): the GGUF type + kInterleaved.
 constexpr int64_t kInterleaved = 1000;
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
 torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 bool quant_gemm_supports(int64_t qtype);
 bool quant_gemm_simd();
-void quant_interleave_rows(torch::Tensor w, int64_t qtype);
+torch::Tensor quant_interleave_rows(torch::Tensor w, int64_t qtype);
 torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tensor ids);
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype);
+torch::Tensor quant_q4k_interleave(torch::Tensor w);
+torch::Tensor quant_q4k_rows(torch::Tensor w, torch::Tensor ids);
+torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w);
+torch::Tensor quant_q6k_interleave(torch::Tensor w);
+torch::Tensor quant_q6k_rows(torch::Tensor w, torch::Tensor ids);
+torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w);
 void bind_decoder_plan(pybind11::module_& m);

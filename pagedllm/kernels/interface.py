@@ -18,7 +18,7 @@ MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 INTERLEAVED_OFFSET = 1000
 
 
@@ -171,15 +171,19 @@ class CpuKernels:
         blocks (amax / 127)."""
         return self._m.quant_gemm(x, w, qtype)
 
-    @staticmethod
-    def interleaved_qtype(qtype: int) -> int | None:
-        """quant_gemm's code for Q4_0 / Q4_1 / Q8_0 weights repacked eight rows at a time (None for
-        other formats). The kernel it selects is the faster one at every row count."""
-        return INTERLEAVED_OFFSET + qtype if qtype in (Q4_0, Q4_1, Q8_0) else None
+    def interleaved_qtype(self, qtype: int) -> int | None:
+        """quant_gemm's code for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights repacked eight rows at a time
+        (None for other formats, and for a build without that kernel). The kernel it selects is the
+        faster one at every row count."""
+        if qtype not in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) or not self._m.quant_gemm_supports(INTERLEAVED_OFFSET + qtype):
+            return None
+        return INTERLEAVED_OFFSET + qtype
 
-    def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> None:
-        """Repack Q4_0 / Q4_1 / Q8_0 rows w [N, bytes] (N a multiple of 8) in place for quant_gemm."""
-        self._m.quant_interleave_rows(w, qtype)
+    def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
+        """Rows w [N, bytes] (N a multiple of 8) repacked for quant_gemm: Q4_0 / Q4_1 / Q8_0 in place
+        (w returned), Q4_K / Q6_K into a new tensor (Q4_K's scales unpacked: 1184 bytes per 8 x 256
+        values; Q6_K regrouped, the same size)."""
+        return self._m.quant_interleave_rows(w, qtype)
 
     def quant_interleaved_rows(self, w: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 [R]) of weights repacked by quant_interleave_rows, as GGUF rows [R, bytes]."""

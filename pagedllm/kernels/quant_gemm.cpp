@@ -448,7 +448,9 @@ constexpr int64_t kDecodeFromRows = 4;
 }  // namespace
 
 bool quant_gemm_supports(int64_t qtype) {
-  if (qtype == kInterleaved + Q4_0 || qtype == kInterleaved + Q4_1 || qtype == kInterleaved + Q8_0) return true;
+  if (qtype == kInterleaved + Q4_0 || qtype == kInterleaved + Q4_1 || qtype == kInterleaved + Q8_0 ||
+      qtype == kInterleaved + Q4_K || qtype == kInterleaved + Q6_K)
+    return true;
   Format f;
   return format_of(qtype, &f);
 }
@@ -456,7 +458,7 @@ bool quant_gemm_supports(int64_t qtype) {
 bool quant_gemm_simd() { return PAGEDLLM_QAVX2; }
 
 // x: [M, K] float32; w: [N, K / block_elems * block_bytes] uint8 (the GGUF rows, in order) -> [M, N] float32.
-// Interleaved Q4_0 / Q4_1 / Q8_0 (qtype kInterleaved + type) go to quant_gemm_interleaved.cpp.
+// Interleaved Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (qtype kInterleaved + type) go to quant_gemm_interleaved.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   if (qtype >= kInterleaved) return quant_gemm_interleaved(x, w, qtype - kInterleaved);
   Format f;

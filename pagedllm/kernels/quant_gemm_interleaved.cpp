@@ -26,29 +26,19 @@
 //     Q4_1: acc = fma(m_w, d_x * float(sum(q_x)), acc)
 // so an output is bit-identical whether its activation row comes alone or with 300 others.
 #include "entry_points.h"
-#include "quant_activations.h"
+#include "quant_interleaved.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PAGEDLLM_X8_AVX2 1
-#else
-#define PAGEDLLM_X8_AVX2 0
-#endif
-
 // Named inside the anonymous namespace: the kernel-build test compiles every kernel file as one
 // unit, where quant_gemm.cpp's helpers of the same names live.
 namespace {
 namespace ilv {
 
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, kQ4K = 12, kQ6K = 14 };
 
 // A GGUF block: `fields` fp16 values (d; Q4_1: d, m), then `qs` bytes, regrouped in runs of `run`.
 struct Layout {
@@ -77,42 +67,12 @@ void permute_row(uint8_t* row, int64_t r, int64_t nb, const Layout& l, uint8_t* 
   }
 }
 
-// Quantized activation rows of a call: q [M, K] (int8 for Q4_x, int16 for Q8_0), d [M, nb] and,
-// for int8, s = sum(q) [M, nb].
-template <class Q>
-struct Activations {
-  const Q* q;
-  const float* d;
-  const int32_t* s;
-  int64_t K, nb;
-};
-using Activations8 = Activations<int8_t>;
-using Activations16 = Activations<int16_t>;
-
 #if PAGEDLLM_X8_AVX2
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// Asks for the weight bytes kPrefetchDistance ahead of a block of kBytes (every cache line they
-// span). The weights are read once per call and nothing else hides the memory latency: at one
-// activation row the hardware prefetcher alone streamed a decode step's weights at ~14 GB/s,
-// with this ~18 (alternating runs). A prefetch past the end of the weights is harmless.
-constexpr int64_t kPrefetchDistance = 1024;
-
-template <int64_t kBytes>
-inline void prefetch_ahead(const uint8_t* block) {
-  const char* p = reinterpret_cast<const char*>(block) + kPrefetchDistance;
-  for (int64_t o = 0; o < kBytes + 63; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-}
-
 // One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8].
 template <int MR, bool kQ41>
 inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
   constexpr int64_t bb = kQ41 ? 20 : 18, sb = kQ41 ? 32 : 16;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -125,15 +85,26 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
       const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
       for (int m = 0; m < MR; ++m) {
         const int8_t* xb = a.q + (m0 + m) * a.K + 32 * b;
+#if PAGEDLLM_X8_VNNI
+        // four u8 x s8 products summed straight into each int32 lane
+        const __m256i zero_or_sum = c == 0 ? _mm256_setzero_si256() : sums[m];
+        sums[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero_or_sum, lo, ilv::broadcast4(xb + 4 * c)), hi,
+                                      ilv::broadcast4(xb + 16 + 4 * c));
+#else
         // <= 2 * 15 * 127 per product pair, two pairs per chunk, four chunks: 30480 < 2^15
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb + 4 * c)),
-                                           _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * c)));
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ilv::broadcast4(xb + 4 * c)),
+                                           _mm256_maddubs_epi16(hi, ilv::broadcast4(xb + 16 + 4 * c)));
         sums[m] = c == 0 ? p : _mm256_add_epi16(sums[m], p);
+#endif
       }
     }
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * a.nb + b;
+#if PAGEDLLM_X8_VNNI
+      __m256i dot = sums[m];
+#else
       __m256i dot = _mm256_madd_epi16(sums[m], ones);
+#endif
       if (!kQ41) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * a.s[at]));
       const float dx = a.d[at];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
@@ -174,7 +145,11 @@ inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_
     for (int p = 0; p < 16; ++p) {
       const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * p)));
       for (int m = 0; m < MR; ++m)  // <= 2 * 128 * 32767 per pair, sixteen pairs: < 2^31
+#if PAGEDLLM_X8_VNNI
+        sums[m] = _mm256_dpwssd_epi32(sums[m], w, broadcast_pair(xb[m] + 2 * p));
+#else
         sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(w, broadcast_pair(xb[m] + 2 * p)));
+#endif
     }
     for (int m = 0; m < MR; ++m) {
       const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(m0 + m) * a.nb + b]));
@@ -265,34 +240,6 @@ void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0,
   }
 }
 
-template <class T>
-inline void grow(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-}
-
-// The call's activation rows, quantized once and shared by every thread (scratch kept per thread
-// between calls); with_sums: also s = sum(q) per block (Q4_0's - 8 and Q4_1's min need it).
-template <class Q, int kMax>
-Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool with_sums) {
-  const int64_t nb = K / 32;
-  static thread_local std::vector<Q> q;
-  static thread_local std::vector<float> d;
-  static thread_local std::vector<int32_t> s;
-  grow(q, M * K);
-  grow(d, M * nb);
-  if (with_sums) grow(s, M * nb);
-  Q* qp = q.data();
-  float* dp = d.data();
-  int32_t* sp = with_sums ? s.data() : nullptr;
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m)
-      quantize_row<Q, kMax>(x + m * K, K, qp + m * K, dp + m * nb, [&](int64_t blk, int32_t sum) {
-        if (sp != nullptr) sp[m * nb + blk] = sum;
-      });
-  });
-  return {qp, dp, sp, K, nb};
-}
-
 void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "interleaved quant_gemm: w must be contiguous uint8 [N, bytes]");
@@ -304,7 +251,11 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 }  // namespace ilv
 }  // namespace
 
-void quant_interleave_rows(torch::Tensor w, int64_t qtype) {
+// Q4_0 / Q4_1 / Q8_0: repacked in place (the same bytes, permuted), returns w; Q4_K, Q6_K: a new
+// tensor (quant_gemm_q4k.cpp: its scales unpacked; quant_gemm_q6k.cpp: regrouped).
+torch::Tensor quant_interleave_rows(torch::Tensor w, int64_t qtype) {
+  if (qtype == ilv::kQ4K) return quant_q4k_interleave(w);
+  if (qtype == ilv::kQ6K) return quant_q6k_interleave(w);
   const ilv::Layout l = ilv::layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleave_rows: bad w");
   const int64_t row_bytes = w.size(1), nb = row_bytes / l.block_bytes();
@@ -319,9 +270,12 @@ void quant_interleave_rows(torch::Tensor w, int64_t qtype) {
         ilv::permute_row(rows.data() + r * row_bytes, r, nb, l, p + g * group_bytes, true);
     }
   });
+  return w;
 }
 
 torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tensor ids) {
+  if (qtype == ilv::kQ4K) return quant_q4k_rows(w, ids);
+  if (qtype == ilv::kQ6K) return quant_q6k_rows(w, ids);
   const ilv::Layout l = ilv::layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleaved_rows: bad w");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "quant_interleaved_rows: ids must be int64 [R]");
@@ -340,6 +294,8 @@ torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tens
 
 // x: [M, K] float32; w: [N, bytes] interleaved by quant_interleave_rows -> [M, N] float32.
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype) {
+  if (qtype == ilv::kQ4K) return quant_gemm_q4k(x, w);
+  if (qtype == ilv::kQ6K) return quant_gemm_q6k(x, w);
   ilv::layout_of(qtype);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();

@@ -54,11 +54,18 @@ class LinearMethods:
         if not any(isinstance(p, BlockRows) for p in parts):
             w = torch.cat(parts) if len(parts) > 1 else parts[0]
             return self._float_linear(w, bias, silu_mul_epilogue)
-        # mixed formats: one GEMM per part, the bias split along
-        mods, start = [], 0
+        # mixed formats: one GEMM per run of neighbouring parts in the same format (q and k in
+        # Q4_K beside v in Q6_K: two), the bias split along
+        runs: list[list[CheckpointTensor]] = []
         for p in parts:
-            n = p.shape[0]
-            mods.append(self.linear([p], None if bias is None else bias[start : start + n]))
+            if runs and _format(runs[-1][-1]) == _format(p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        mods, start = [], 0
+        for run in runs:
+            n = sum(p.shape[0] for p in run)
+            mods.append(self.linear(run, None if bias is None else bias[start : start + n]))
             start += n
         return ConcatLinear(mods)
 
@@ -102,3 +109,8 @@ class LinearMethods:
 
             return packed_lm_head(w, self.kernels)
         return w
+
+
+def _format(t: CheckpointTensor) -> int | None:
+    """A GGUF block format, or None for float."""
+    return t.qtype if isinstance(t, BlockRows) else None

@@ -4,7 +4,8 @@ A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_b
 never a float copy. ``forward`` runs the compiled integer kernel where it handles the format:
 Q4_0 / Q4_1 / Q8_0 weights are repacked eight rows at a time (the same bytes, permuted; as
 llama.cpp repacks Q4_0) for kernels/quant_gemm_interleaved.cpp (int8 activations for Q4_x, int16
-for Q8_0); the K-quants keep the file's order for kernels/quant_gemm.cpp, int16 activations.
+for Q8_0); Q4_K likewise, its 6-bit scales unpacked to bytes (kernels/quant_gemm_q4k.cpp, int8
+activations); Q5_K and Q6_K keep the file's order for kernels/quant_gemm.cpp, int16 activations.
 Without kernels the reference path dequantizes the layer for this call only (gguf-py's own
 dequantizer, independent of the kernels) and runs F.linear. The reference is what the kernels are tested against.
 """
@@ -73,7 +74,7 @@ class QuantizedLinear(nn.Module):
         code = None if self.kernels is None else self.kernels.interleaved_qtype(self.qtype)
         qweight = qweight.contiguous()
         if interleave and code is not None and self.out_features % 8 == 0:
-            self.kernels.quant_interleave_rows(qweight, self.qtype)
+            qweight = self.kernels.quant_interleave_rows(qweight, self.qtype)  # Q4_K: a new tensor
             self.kernel_qtype = code
         self.register_buffer("qweight", qweight, persistent=False)
 
@@ -144,7 +145,8 @@ class QuantizedEmbedding(nn.Module):
         interleaved: bool = False,
     ) -> None:
         super().__init__()
-        if qweight.shape[1] != row_bytes(qtype, dim):
+        # a tied head's repacked rows may be longer (Q4_K's unpacked scales): the kernels check them
+        if not interleaved and qweight.shape[1] != row_bytes(qtype, dim):
             raise ValueError(f"embedding qweight {tuple(qweight.shape)} is not rows of {dim} values")
         self.qtype, self.dim = int(qtype), dim
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)

@@ -1,0 +1,256 @@
+// y = x @ W^T for Q4_K weights repacked eight rows at a time (the Q4_K_M files users download hold
+// most of their weights in Q4_K).
+//
+// The row-at-a-time K-quant path (quant_gemm.cpp) decodes 16 rows to int16 and multiplies int16
+// activations: several times the work of the interleaved Q4_0 kernel per weight. A Q4_K
+// sub-block of 32 values is a Q4_1 block in all but its scales: value = d * sc * q - dmin * m,
+// q in 0..15, sc and m 6-bit integers of the super-block of 256. So this kernel is the interleaved
+// Q4_1 kernel (quant_gemm_interleaved.cpp) over sub-blocks, int8 activation blocks of 32 (d_x =
+// amax / 127, the same activations as Q4_0 / Q4_1), each sub-block's scale and min read from
+// bytes unpacked once at load:
+//     i = sum(q_w * q_x)                                  (exact integers)
+//     acc = fma(float(i), (d * sc) * d_x, acc)
+//     acc = fma(-(dmin * m), d_x * float(sum(q_x)), acc)
+// in this order whatever the number of activation rows, so an output is bit-identical whether
+// its activation row comes alone or with 300 others.
+//
+// Layout of one group of eight rows, per super-block (1184 bytes; the file's 8 x 144, plus the
+// 6-bit scales unpacked to bytes):
+//     [d of rows 0..7 (fp16)] [dmin (fp16) x 8] [sc: sub-block j, row r at 8j + r] [m: the same]
+//     [qs: chunk c (0..3) of 64 values, run u (0..7): rows 0..7 x qs bytes 32c + 4u .. 32c + 4u + 3]
+// A Q4_K qs byte 32c + i holds value 64c + i (low nibble, sub-block 2c) and 64c + 32 + i (high
+// nibble, sub-block 2c + 1): run u meets activation bytes 64c + 4u.. (low) and 64c + 32 + 4u..
+// (high), broadcast to every lane.
+#include "entry_points.h"
+#include "quant_interleaved.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+namespace q4k {
+
+using ilv::Activations8;
+using ilv::kRows;
+
+constexpr int64_t kSuper = 256, kFileBytes = 144;  // a Q4_K super-block: values, bytes
+constexpr int64_t kScales = 2 * 2 * kRows;          // offset of sc in a group's super-block
+constexpr int64_t kMins = kScales + 8 * kRows, kQs = kMins + 8 * kRows;
+constexpr int64_t kGroupBytes = kQs + 128 * kRows;  // 1184
+
+// llama.cpp's get_scale_min_k4: 6-bit scale and min of sub-block j from a super-block's 12 bytes.
+inline void scale_min(const uint8_t* q, int j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The 12 bytes of 8 scales and 8 mins (scale_min's inverse).
+inline void pack_scale_min(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = static_cast<uint8_t>(m[j] | ((m[j + 4] >> 4) << 6));
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4));
+  }
+}
+
+// Row r (of eight) of a group: GGUF super-block `file` -> the group's super-block, or back.
+void to_group(const uint8_t* file, int64_t r, uint8_t* g) {
+  std::memcpy(g + 2 * r, file, 2);
+  std::memcpy(g + 16 + 2 * r, file + 2, 2);
+  for (int j = 0; j < 8; ++j) scale_min(file + 4, j, g + kScales + 8 * j + r, g + kMins + 8 * j + r);
+  for (int c = 0; c < 4; ++c)
+    for (int u = 0; u < 8; ++u) std::memcpy(g + kQs + 256 * c + 32 * u + 4 * r, file + 16 + 32 * c + 4 * u, 4);
+}
+
+void from_group(const uint8_t* g, int64_t r, uint8_t* file) {
+  std::memcpy(file, g + 2 * r, 2);
+  std::memcpy(file + 2, g + 16 + 2 * r, 2);
+  uint8_t sc[8], m[8];
+  for (int j = 0; j < 8; ++j) sc[j] = g[kScales + 8 * j + r], m[j] = g[kMins + 8 * j + r];
+  pack_scale_min(sc, m, file + 4);
+  for (int c = 0; c < 4; ++c)
+    for (int u = 0; u < 8; ++u) std::memcpy(file + 16 + 32 * c + 4 * u, g + kQs + 256 * c + 32 * u + 4 * r, 4);
+}
+
+#if PAGEDLLM_X8_AVX2
+// The eight rows' (d * sc) or (dmin * m) of sub-block j, one lane each.
+inline __m256 sub_scales(__m256 d, const uint8_t* bytes) {
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)))));
+}
+
+// One group x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8].
+template <int MR>
+inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+#if !PAGEDLLM_X8_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < a.K / kSuper; ++s) {
+    const uint8_t* blk = group + s * kGroupBytes;
+    ilv::prefetch_ahead<kGroupBytes>(blk);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo_sum[MR], hi_sum[MR];
+      for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
+      const uint8_t* qs = blk + kQs + 256 * c;
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * u));
+        const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xb = a.q + (m0 + m) * a.K + kSuper * s + 64 * c + 4 * u;
+#if PAGEDLLM_X8_VNNI
+          lo_sum[m] = _mm256_dpbusd_epi32(lo_sum[m], lo, ilv::broadcast4(xb));
+          hi_sum[m] = _mm256_dpbusd_epi32(hi_sum[m], hi, ilv::broadcast4(xb + 32));
+#else
+          // <= 2 * 15 * 127 per product pair, eight runs: 30480 < 2^15
+          lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, ilv::broadcast4(xb)));
+          hi_sum[m] = _mm256_add_epi16(hi_sum[m], _mm256_maddubs_epi16(hi, ilv::broadcast4(xb + 32)));
+#endif
+        }
+      }
+      const __m256 sc_lo = sub_scales(d, blk + kScales + 8 * (2 * c)), sc_hi = sub_scales(d, blk + kScales + 8 * (2 * c + 1));
+      const __m256 m_lo = sub_scales(dmin, blk + kMins + 8 * (2 * c)), m_hi = sub_scales(dmin, blk + kMins + 8 * (2 * c + 1));
+      for (int m = 0; m < MR; ++m) {
+#if !PAGEDLLM_X8_VNNI
+        lo_sum[m] = _mm256_madd_epi16(lo_sum[m], ones);
+        hi_sum[m] = _mm256_madd_epi16(hi_sum[m], ones);
+#endif
+        const int64_t at = (m0 + m) * a.nb + s * 8 + 2 * c;  // the activation block of sub-block 2c
+        const float dx_lo = a.d[at], dx_hi = a.d[at + 1];
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum[m]), _mm256_mul_ps(sc_lo, _mm256_set1_ps(dx_lo)), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(m_lo, _mm256_set1_ps(dx_lo * static_cast<float>(a.s[at])), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum[m]), _mm256_mul_ps(sc_hi, _mm256_set1_ps(dx_hi)), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(m_hi, _mm256_set1_ps(dx_hi * static_cast<float>(a.s[at + 1])), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
+#else
+// Portable: the same integers and the same float operations, one lane at a time.
+template <int MR>
+inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
+  for (int m = 0; m < MR; ++m) {
+    float acc[kRows] = {};
+    for (int64_t s = 0; s < a.K / kSuper; ++s) {
+      const uint8_t* blk = group + s * kGroupBytes;
+      for (int c = 0; c < 4; ++c) {
+        const int64_t at = (m0 + m) * a.nb + s * 8 + 2 * c;
+        const int8_t* xb = a.q + (m0 + m) * a.K + kSuper * s + 64 * c;
+        for (int64_t r = 0; r < kRows; ++r) {
+          int32_t lo = 0, hi = 0;
+          for (int u = 0; u < 8; ++u)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t v = blk[kQs + 256 * c + 32 * u + 4 * r + j];
+              lo += (v & 0xF) * xb[4 * u + j];
+              hi += (v >> 4) * xb[32 + 4 * u + j];
+            }
+          const float d = h2f(blk + 2 * r), dmin = h2f(blk + 16 + 2 * r);
+          for (int h = 0; h < 2; ++h) {
+            const int sub = 2 * c + h;
+            const float sc = d * static_cast<float>(blk[kScales + 8 * sub + r]);
+            const float mn = dmin * static_cast<float>(blk[kMins + 8 * sub + r]);
+            const float dx = a.d[at + h];
+            acc[r] = std::fma(static_cast<float>(h ? hi : lo), sc * dx, acc[r]);
+            acc[r] = std::fma(-mn, dx * static_cast<float>(a.s[at + h]), acc[r]);
+          }
+        }
+      }
+    }
+    std::memcpy(y + (m0 + m) * ldy, acc, sizeof(acc));
+  }
+}
+#endif
+
+// Every activation row times groups [g0, g1): four activation rows per pass, the rest one to three.
+void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N,
+                              const Activations8& a, int64_t M, float* y) {
+  constexpr int64_t kTile = 4;  // groups whose weights stay in L2 while every activation row passes
+  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
+    const int64_t t1 = std::min(g1, t0 + kTile);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int64_t g = t0; g < t1; ++g) group_kernel<4>(w + g * group_bytes, a, m, y + g * kRows, N);
+    for (int64_t g = t0; g < t1; ++g) {
+      const uint8_t* gp = w + g * group_bytes;
+      float* out = y + g * kRows;
+      switch (M - m) {
+        case 3: group_kernel<3>(gp, a, m, out, N); break;
+        case 2: group_kernel<2>(gp, a, m, out, N); break;
+        case 1: group_kernel<1>(gp, a, m, out, N); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void check_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), what, ": w must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(w.size(1) % row_bytes_per_super == 0, what, ": row bytes are not whole super-blocks");
+  TORCH_CHECK(w.size(0) % kRows == 0, what, ": rows must be a multiple of 8, not ", w.size(0));
+}
+
+}  // namespace q4k
+}  // namespace
+
+torch::Tensor quant_q4k_interleave(torch::Tensor w) {
+  q4k::check_rows(w, q4k::kFileBytes, "Q4_K interleave");
+  const int64_t nsb = w.size(1) / q4k::kFileBytes, groups = w.size(0) / q4k::kRows;
+  auto out = torch::empty({w.size(0), nsb * q4k::kGroupBytes / q4k::kRows}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < q4k::kRows; ++r)
+        for (int64_t s = 0; s < nsb; ++s)
+          q4k::to_group(src + ((g * q4k::kRows + r) * nsb + s) * q4k::kFileBytes, r,
+                        dst + (g * nsb + s) * q4k::kGroupBytes);
+  });
+  return out;
+}
+
+torch::Tensor quant_q4k_rows(torch::Tensor w, torch::Tensor ids) {
+  q4k::check_rows(w, q4k::kGroupBytes / q4k::kRows, "Q4_K rows");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "Q4_K rows: ids must be int64 [R]");
+  ids = ids.contiguous();
+  const int64_t nsb = w.size(1) * q4k::kRows / q4k::kGroupBytes, N = w.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  auto out = torch::empty({ids.size(0), nsb * q4k::kFileBytes}, w.options());
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "Q4_K rows: row ", ip[i], " out of range for ", N, " rows");
+    const uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / q4k::kRows * nsb * q4k::kGroupBytes;
+    for (int64_t s = 0; s < nsb; ++s)
+      q4k::from_group(group + s * q4k::kGroupBytes, ip[i] % q4k::kRows,
+                      out.data_ptr<uint8_t>() + (i * nsb + s) * q4k::kFileBytes);
+  }
+  return out;
+}
+
+// x: [M, K] float32; w: [N, bytes] from quant_q4k_interleave -> [M, N] float32.
+torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "Q4_K quant_gemm: x must be [M, K] float32");
+  q4k::check_rows(w, q4k::kGroupBytes / q4k::kRows, "Q4_K quant_gemm");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % q4k::kSuper == 0 && w.size(1) * q4k::kRows == K / q4k::kSuper * q4k::kGroupBytes,
+              "Q4_K quant_gemm: weight row bytes do not match K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto act = ilv::quantize_activations<int8_t, 127>(x.data_ptr<float>(), M, K, true);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t group_bytes = q4k::kRows * w.size(1);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / q4k::kRows, 4, [&](int64_t g0, int64_t g1) {
+    q4k::groups_times_activations(wp, group_bytes, g0, g1, N, act, M, yp);
+  });
+  return y;
+}

@@ -1,0 +1,265 @@
+// y = x @ W^T for Q6_K weights repacked eight rows at a time (Q4_K_M files keep their attn_v, half
+// their ffn_down and the output head in Q6_K).
+//
+// A Q6_K super-block of 256 values: value = d * sc_j * (q - 32), q 6-bit unsigned (low four bits in
+// ql, high two in qh), sc_j an int8 scale per 16 values. int8 activation blocks of 32 (d_x = amax /
+// 127, the same activations as Q4_0 / Q4_1 / Q4_K), so the two 16-value sub-blocks of an activation
+// block combine in integers:
+//     i = sc_a * (sum_a(q_w * q_x) - 32 * sum_a(q_x)) + sc_b * (sum_b(...) - 32 * sum_b(q_x))   (exact)
+//     acc = fma(float(i), d * d_x, acc)
+// in this order whatever the number of activation rows, so an output is bit-identical whether
+// its activation row comes alone or with 300 others. (|i| <= 2 * 127 * (16 * 63 * 127 + 32 * 16 *
+// 127) < 2^31.)
+//
+// Layout of one group of eight rows, per super-block (1680 bytes: the file's 8 x 210, regrouped):
+//     [d of rows 0..7 (fp16)] [sc: scale j, row r at 8j + r (int8)]
+//     [half h (0, 1), run u (0..7): ql bytes 64h + 4u.. | ql bytes 64h + 32 + 4u.. | qh bytes 32h + 4u..,
+//      each rows 0..7 x 4 bytes]
+// ggml's order: in half h, ql byte l holds values 128h + l (low nibble) and 128h + 64 + l (high),
+// ql byte 32 + l values 128h + 32 + l and 128h + 96 + l; qh byte l their high bits, two each.
+#include "entry_points.h"
+#include "quant_interleaved.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+namespace q6k {
+
+using ilv::Activations8;
+using ilv::kRows;
+
+constexpr int64_t kSuper = 256, kFileBytes = 210;
+constexpr int64_t kScales = 2 * kRows, kRuns = kScales + 16 * kRows;  // offsets in a group's super-block
+constexpr int64_t kRunBytes = 3 * 4 * kRows, kGroupBytes = kRuns + 16 * kRunBytes;  // 1680
+// ggml's Q6_K block: ql[128], qh[64], scales[16], d
+constexpr int64_t kQl = 0, kQh = 128, kSc = 192, kD = 208;
+
+void to_group(const uint8_t* file, int64_t r, uint8_t* g) {
+  std::memcpy(g + 2 * r, file + kD, 2);
+  for (int j = 0; j < 16; ++j) g[kScales + 8 * j + r] = file[kSc + j];
+  for (int h = 0; h < 2; ++h)
+    for (int u = 0; u < 8; ++u) {
+      uint8_t* run = g + kRuns + (8 * h + u) * kRunBytes + 4 * r;
+      std::memcpy(run, file + kQl + 64 * h + 4 * u, 4);
+      std::memcpy(run + 32, file + kQl + 64 * h + 32 + 4 * u, 4);
+      std::memcpy(run + 64, file + kQh + 32 * h + 4 * u, 4);
+    }
+}
+
+void from_group(const uint8_t* g, int64_t r, uint8_t* file) {
+  std::memcpy(file + kD, g + 2 * r, 2);
+  for (int j = 0; j < 16; ++j) file[kSc + j] = g[kScales + 8 * j + r];
+  for (int h = 0; h < 2; ++h)
+    for (int u = 0; u < 8; ++u) {
+      const uint8_t* run = g + kRuns + (8 * h + u) * kRunBytes + 4 * r;
+      std::memcpy(file + kQl + 64 * h + 4 * u, run, 4);
+      std::memcpy(file + kQl + 64 * h + 32 + 4 * u, run + 32, 4);
+      std::memcpy(file + kQh + 32 * h + 4 * u, run + 64, 4);
+    }
+}
+
+// What the kernel takes of the activations beyond Activations8: sum(q_x) per 16 values.
+struct Sums16 {
+  const int32_t* s;  // [M, K / 16]
+};
+
+#if PAGEDLLM_X8_AVX2
+// sum over lanes of four u8 x s8 products, added to acc (int32 lanes)
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if PAGEDLLM_X8_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  // <= 2 * 63 * 128 per pair: fits int16; widened at once (four runs would not fit)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+template <int MR>
+inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums16& s16, int64_t m0, float* y,
+                         int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < a.K / kSuper; ++s) {
+    const uint8_t* blk = group + s * kGroupBytes;
+    ilv::prefetch_ahead<kGroupBytes>(blk);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    for (int h = 0; h < 2; ++h) {
+      __m256i block_int[MR][4];  // activation blocks 4h .. 4h + 3 of the super-block
+      for (int m = 0; m < MR; ++m)
+        for (int i = 0; i < 4; ++i) block_int[m][i] = _mm256_setzero_si256();
+      for (int k = 0; k < 2; ++k) {  // sub-blocks of 16: values 4u.. for u in 4k .. 4k + 3
+        __m256i dot[MR][4];
+        for (int m = 0; m < MR; ++m)
+          for (int i = 0; i < 4; ++i) dot[m][i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int u = 4 * k; u < 4 * k + 4; ++u) {
+          const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes;
+          const __m256i a_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
+          const __m256i b_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32));
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64));
+          const __m256i q[4] = {
+              _mm256_or_si256(_mm256_and_si256(a_, low4), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4)),
+              _mm256_or_si256(_mm256_and_si256(b_, low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a_, 4), low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b_, 4), low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4)),
+          };
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xb = a.q + (m0 + m) * a.K + kSuper * s + 128 * h + 4 * u;
+            for (int i = 0; i < 4; ++i) dot[m][i] = dot4(dot[m][i], q[i], ilv::broadcast4(xb + 32 * i));
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          const int j = 8 * h + 2 * i + k;  // the scale of values 128h + 32i + 16k ..
+          const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kScales + 8 * j)));
+          for (int m = 0; m < MR; ++m) {
+            const int32_t sum16 = s16.s[(m0 + m) * (a.K / 16) + (kSuper * s + 128 * h + 32 * i + 16 * k) / 16];
+            const __m256i centred = _mm256_sub_epi32(dot[m][i], _mm256_set1_epi32(32 * sum16));
+            block_int[m][i] = _mm256_add_epi32(block_int[m][i], _mm256_mullo_epi32(centred, sc));
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int i = 0; i < 4; ++i) {
+          const float dx = a.d[(m0 + m) * a.nb + s * 8 + 4 * h + i];
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_int[m][i]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[m]);
+        }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+}
+#else
+// Portable: the same integers and the same float operations, one lane at a time.
+template <int MR>
+inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums16& s16, int64_t m0, float* y,
+                         int64_t ldy) {
+  for (int m = 0; m < MR; ++m) {
+    float acc[kRows] = {};
+    for (int64_t s = 0; s < a.K / kSuper; ++s) {
+      const uint8_t* blk = group + s * kGroupBytes;
+      for (int h = 0; h < 2; ++h)
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float d = h2f(blk + 2 * r);
+          for (int i = 0; i < 4; ++i) {
+            int32_t block_int = 0;
+            for (int k = 0; k < 2; ++k) {
+              int32_t dot = 0;
+              for (int u = 4 * k; u < 4 * k + 4; ++u) {
+                const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes + 4 * r;
+                for (int e = 0; e < 4; ++e) {
+                  const uint8_t lo = (i % 2 == 0 ? run[e] : run[32 + e]) >> (i < 2 ? 0 : 4);
+                  const int q = (lo & 0xF) | (((run[64 + e] >> (2 * i)) & 3) << 4);
+                  dot += q * a.q[(m0 + m) * a.K + kSuper * s + 128 * h + 32 * i + 4 * u + e];
+                }
+              }
+              const int j = 8 * h + 2 * i + k;
+              const int32_t sum16 = s16.s[(m0 + m) * (a.K / 16) + (kSuper * s + 128 * h + 32 * i + 16 * k) / 16];
+              block_int += static_cast<int8_t>(blk[kScales + 8 * j + r]) * (dot - 32 * sum16);
+            }
+            const float dx = a.d[(m0 + m) * a.nb + s * 8 + 4 * h + i];
+            acc[r] = std::fma(static_cast<float>(block_int), d * dx, acc[r]);
+          }
+        }
+    }
+    std::memcpy(y + (m0 + m) * ldy, acc, sizeof(acc));
+  }
+}
+#endif
+
+void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N,
+                              const Activations8& a, const Sums16& s16, int64_t M, float* y) {
+  constexpr int64_t kTile = 4;  // groups whose weights stay in L2 while every activation row passes
+  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
+    const int64_t t1 = std::min(g1, t0 + kTile);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int64_t g = t0; g < t1; ++g) group_kernel<4>(w + g * group_bytes, a, s16, m, y + g * kRows, N);
+    for (int64_t g = t0; g < t1; ++g) {
+      const uint8_t* gp = w + g * group_bytes;
+      float* out = y + g * kRows;
+      switch (M - m) {
+        case 3: group_kernel<3>(gp, a, s16, m, out, N); break;
+        case 2: group_kernel<2>(gp, a, s16, m, out, N); break;
+        case 1: group_kernel<1>(gp, a, s16, m, out, N); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void check_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), what, ": w must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(w.size(1) % row_bytes_per_super == 0, what, ": row bytes are not whole super-blocks");
+  TORCH_CHECK(w.size(0) % kRows == 0, what, ": rows must be a multiple of 8, not ", w.size(0));
+}
+
+}  // namespace q6k
+}  // namespace
+
+torch::Tensor quant_q6k_interleave(torch::Tensor w) {
+  q6k::check_rows(w, q6k::kFileBytes, "Q6_K interleave");
+  const int64_t nsb = w.size(1) / q6k::kFileBytes, groups = w.size(0) / q6k::kRows;
+  auto out = torch::empty_like(w);  // the same size: the file's bytes, regrouped
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < q6k::kRows; ++r)
+        for (int64_t s = 0; s < nsb; ++s)
+          q6k::to_group(src + ((g * q6k::kRows + r) * nsb + s) * q6k::kFileBytes, r,
+                        dst + (g * nsb + s) * q6k::kGroupBytes);
+  });
+  return out;
+}
+
+torch::Tensor quant_q6k_rows(torch::Tensor w, torch::Tensor ids) {
+  q6k::check_rows(w, q6k::kFileBytes, "Q6_K rows");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "Q6_K rows: ids must be int64 [R]");
+  ids = ids.contiguous();
+  const int64_t nsb = w.size(1) / q6k::kFileBytes, N = w.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  auto out = torch::empty({ids.size(0), w.size(1)}, w.options());
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "Q6_K rows: row ", ip[i], " out of range for ", N, " rows");
+    const uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / q6k::kRows * nsb * q6k::kGroupBytes;
+    for (int64_t s = 0; s < nsb; ++s)
+      q6k::from_group(group + s * q6k::kGroupBytes, ip[i] % q6k::kRows,
+                      out.data_ptr<uint8_t>() + (i * nsb + s) * q6k::kFileBytes);
+  }
+  return out;
+}
+
+// x: [M, K] float32; w: [N, bytes] from quant_q6k_interleave -> [M, N] float32.
+torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "Q6_K quant_gemm: x must be [M, K] float32");
+  q6k::check_rows(w, q6k::kFileBytes, "Q6_K quant_gemm");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % q6k::kSuper == 0 && w.size(1) == K / q6k::kSuper * q6k::kFileBytes,
+              "Q6_K quant_gemm: weight row bytes do not match K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto act = ilv::quantize_activations<int8_t, 127>(x.data_ptr<float>(), M, K, false);
+  static thread_local std::vector<int32_t> sums;
+  ilv::grow(sums, M * K / 16);
+  int32_t* sp = sums.data();
+  at::parallel_for(0, M * K / 16, 1024, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      int32_t t = 0;
+      for (int j = 0; j < 16; ++j) t += act.q[16 * i + j];
+      sp[i] = t;
+    }
+  });
+  const q6k::Sums16 s16{sp};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t group_bytes = q6k::kRows * w.size(1);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / q6k::kRows, 4, [&](int64_t g0, int64_t g1) {
+    q6k::groups_times_activations(wp, group_bytes, g0, g1, N, act, s16, M, yp);
+  });
+  return y;
+}
