@@ -44,9 +44,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 
@@ -67,10 +66,22 @@ class Shape:
 
 
 SHAPES = {
-    "1.7b": Shape("SmolLM2-1.7B shape (random weights)", "1.7B", 2048, 24, 32, 32, 8192, 49152, True, 130000.0, 1e-5, 8192),
+    "1.7b": Shape(
+        "SmolLM2-1.7B shape (random weights)", "1.7B", 2048, 24, 32, 32, 8192, 49152, True, 130000.0, 1e-5, 8192
+    ),
     "8b": Shape(
-        "Llama-3-8B layer shape, 49152 vocab (random weights)", "7.4B", 4096, 32, 32, 8, 14336, 49152, False, 500000.0,
-        1e-5, 8192
+        "Llama-3-8B layer shape, 49152 vocab (random weights)",
+        "7.4B",
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        49152,
+        False,
+        500000.0,
+        1e-5,
+        8192,
     ),
     "tiny": Shape("tiny test shape (random weights)", "tiny", 256, 2, 4, 2, 512, 49152, True, 100000.0, 1e-5, 2048),
 }
@@ -134,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", choices=("f16", "q8_0"), default="f16", help="weight type of the 2-D tensors")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--std", type=float, default=0.02)
-    ap.add_argument("--source", default=None, help="GGUF whose tokenizer.* metadata is copied (default: pagedllm's default model)")
+    ap.add_argument(
+        "--source", default=None, help="GGUF whose tokenizer.* metadata is copied (default: pagedllm's default model)"
+    )
     args = ap.parse_args(argv)
 
     s = SHAPES[args.shape]
