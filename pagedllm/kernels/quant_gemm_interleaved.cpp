@@ -217,29 +217,6 @@ inline void run_group(const uint8_t* group, const A& a, int64_t m0, float* y, in
   }
 }
 
-// Every activation row times groups [g0, g1): four activation rows per pass, the rest one to three.
-template <int64_t QT, class A>
-void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N, const A& a,
-                              int64_t M, float* y) {
-  constexpr int64_t kTile = 4;  // groups whose weights stay in L1 while every activation row passes
-  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
-    const int64_t t1 = std::min(g1, t0 + kTile);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      for (int64_t g = t0; g < t1; ++g) run_group<QT, 4>(w + g * group_bytes, a, m, y + g * kRows, N);
-    for (int64_t g = t0; g < t1; ++g) {
-      const uint8_t* gp = w + g * group_bytes;
-      float* out = y + g * kRows;
-      switch (M - m) {
-        case 3: run_group<QT, 3>(gp, a, m, out, N); break;
-        case 2: run_group<QT, 2>(gp, a, m, out, N); break;
-        case 1: run_group<QT, 1>(gp, a, m, out, N); break;
-        default: break;
-      }
-    }
-  }
-}
-
 void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
               "interleaved quant_gemm: w must be contiguous uint8 [N, bytes]");
@@ -310,7 +287,9 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   float* yp = y.data_ptr<float>();
   auto run = [&](auto format, const auto& act) {  // format: the GGUF type, as a compile-time constant
     at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
-      ilv::groups_times_activations<decltype(format)::value>(wp, group_bytes, g0, g1, N, act, M, yp);
+      ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
+        ilv::run_group<decltype(format)::value, decltype(mr)::value>(gp, act, m, out, N);
+      });
     });
   };
   if (qtype == ilv::Q8_0) {

@@ -171,74 +171,23 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 }
 #endif
 
-// Every activation row times groups [g0, g1): four activation rows per pass, the rest one to three.
-void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N,
-                              const Activations8& a, int64_t M, float* y) {
-  constexpr int64_t kTile = 4;  // groups whose weights stay in L2 while every activation row passes
-  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
-    const int64_t t1 = std::min(g1, t0 + kTile);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      for (int64_t g = t0; g < t1; ++g) group_kernel<4>(w + g * group_bytes, a, m, y + g * kRows, N);
-    for (int64_t g = t0; g < t1; ++g) {
-      const uint8_t* gp = w + g * group_bytes;
-      float* out = y + g * kRows;
-      switch (M - m) {
-        case 3: group_kernel<3>(gp, a, m, out, N); break;
-        case 2: group_kernel<2>(gp, a, m, out, N); break;
-        case 1: group_kernel<1>(gp, a, m, out, N); break;
-        default: break;
-      }
-    }
-  }
-}
-
-void check_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), what, ": w must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(w.size(1) % row_bytes_per_super == 0, what, ": row bytes are not whole super-blocks");
-  TORCH_CHECK(w.size(0) % kRows == 0, what, ": rows must be a multiple of 8, not ", w.size(0));
-}
-
 }  // namespace q4k
 }  // namespace
 
 torch::Tensor quant_q4k_interleave(torch::Tensor w) {
-  q4k::check_rows(w, q4k::kFileBytes, "Q4_K interleave");
-  const int64_t nsb = w.size(1) / q4k::kFileBytes, groups = w.size(0) / q4k::kRows;
-  auto out = torch::empty({w.size(0), nsb * q4k::kGroupBytes / q4k::kRows}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < q4k::kRows; ++r)
-        for (int64_t s = 0; s < nsb; ++s)
-          q4k::to_group(src + ((g * q4k::kRows + r) * nsb + s) * q4k::kFileBytes, r,
-                        dst + (g * nsb + s) * q4k::kGroupBytes);
-  });
-  return out;
+  ilv::check_group_rows(w, q4k::kFileBytes, "Q4_K interleave");
+  return ilv::repack_groups(w, q4k::kFileBytes, q4k::kGroupBytes, q4k::to_group);
 }
 
 torch::Tensor quant_q4k_rows(torch::Tensor w, torch::Tensor ids) {
-  q4k::check_rows(w, q4k::kGroupBytes / q4k::kRows, "Q4_K rows");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "Q4_K rows: ids must be int64 [R]");
-  ids = ids.contiguous();
-  const int64_t nsb = w.size(1) * q4k::kRows / q4k::kGroupBytes, N = w.size(0);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  auto out = torch::empty({ids.size(0), nsb * q4k::kFileBytes}, w.options());
-  for (int64_t i = 0; i < ids.size(0); ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "Q4_K rows: row ", ip[i], " out of range for ", N, " rows");
-    const uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / q4k::kRows * nsb * q4k::kGroupBytes;
-    for (int64_t s = 0; s < nsb; ++s)
-      q4k::from_group(group + s * q4k::kGroupBytes, ip[i] % q4k::kRows,
-                      out.data_ptr<uint8_t>() + (i * nsb + s) * q4k::kFileBytes);
-  }
-  return out;
+  ilv::check_group_rows(w, q4k::kGroupBytes / q4k::kRows, "Q4_K rows");
+  return ilv::group_rows(w, ids, q4k::kFileBytes, q4k::kGroupBytes, q4k::from_group, "Q4_K rows");
 }
 
 // x: [M, K] float32; w: [N, bytes] from quant_q4k_interleave -> [M, N] float32.
 torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "Q4_K quant_gemm: x must be [M, K] float32");
-  q4k::check_rows(w, q4k::kGroupBytes / q4k::kRows, "Q4_K quant_gemm");
+  ilv::check_group_rows(w, q4k::kGroupBytes / q4k::kRows, "Q4_K quant_gemm");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % q4k::kSuper == 0 && w.size(1) * q4k::kRows == K / q4k::kSuper * q4k::kGroupBytes,
@@ -250,7 +199,9 @@ torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
   const int64_t group_bytes = q4k::kRows * w.size(1);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / q4k::kRows, 4, [&](int64_t g0, int64_t g1) {
-    q4k::groups_times_activations(wp, group_bytes, g0, g1, N, act, M, yp);
+    ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
+      q4k::group_kernel<decltype(mr)::value>(gp, act, m, out, N);
+    });
   });
   return y;
 }

@@ -170,73 +170,23 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums
 }
 #endif
 
-void groups_times_activations(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t N,
-                              const Activations8& a, const Sums16& s16, int64_t M, float* y) {
-  constexpr int64_t kTile = 4;  // groups whose weights stay in L2 while every activation row passes
-  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
-    const int64_t t1 = std::min(g1, t0 + kTile);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      for (int64_t g = t0; g < t1; ++g) group_kernel<4>(w + g * group_bytes, a, s16, m, y + g * kRows, N);
-    for (int64_t g = t0; g < t1; ++g) {
-      const uint8_t* gp = w + g * group_bytes;
-      float* out = y + g * kRows;
-      switch (M - m) {
-        case 3: group_kernel<3>(gp, a, s16, m, out, N); break;
-        case 2: group_kernel<2>(gp, a, s16, m, out, N); break;
-        case 1: group_kernel<1>(gp, a, s16, m, out, N); break;
-        default: break;
-      }
-    }
-  }
-}
-
-void check_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), what, ": w must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(w.size(1) % row_bytes_per_super == 0, what, ": row bytes are not whole super-blocks");
-  TORCH_CHECK(w.size(0) % kRows == 0, what, ": rows must be a multiple of 8, not ", w.size(0));
-}
-
 }  // namespace q6k
 }  // namespace
 
 torch::Tensor quant_q6k_interleave(torch::Tensor w) {
-  q6k::check_rows(w, q6k::kFileBytes, "Q6_K interleave");
-  const int64_t nsb = w.size(1) / q6k::kFileBytes, groups = w.size(0) / q6k::kRows;
-  auto out = torch::empty_like(w);  // the same size: the file's bytes, regrouped
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < q6k::kRows; ++r)
-        for (int64_t s = 0; s < nsb; ++s)
-          q6k::to_group(src + ((g * q6k::kRows + r) * nsb + s) * q6k::kFileBytes, r,
-                        dst + (g * nsb + s) * q6k::kGroupBytes);
-  });
-  return out;
+  ilv::check_group_rows(w, q6k::kFileBytes, "Q6_K interleave");
+  return ilv::repack_groups(w, q6k::kFileBytes, q6k::kGroupBytes, q6k::to_group);
 }
 
 torch::Tensor quant_q6k_rows(torch::Tensor w, torch::Tensor ids) {
-  q6k::check_rows(w, q6k::kFileBytes, "Q6_K rows");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "Q6_K rows: ids must be int64 [R]");
-  ids = ids.contiguous();
-  const int64_t nsb = w.size(1) / q6k::kFileBytes, N = w.size(0);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  auto out = torch::empty({ids.size(0), w.size(1)}, w.options());
-  for (int64_t i = 0; i < ids.size(0); ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "Q6_K rows: row ", ip[i], " out of range for ", N, " rows");
-    const uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / q6k::kRows * nsb * q6k::kGroupBytes;
-    for (int64_t s = 0; s < nsb; ++s)
-      q6k::from_group(group + s * q6k::kGroupBytes, ip[i] % q6k::kRows,
-                      out.data_ptr<uint8_t>() + (i * nsb + s) * q6k::kFileBytes);
-  }
-  return out;
+  ilv::check_group_rows(w, q6k::kGroupBytes / q6k::kRows, "Q6_K rows");
+  return ilv::group_rows(w, ids, q6k::kFileBytes, q6k::kGroupBytes, q6k::from_group, "Q6_K rows");
 }
 
 // x: [M, K] float32; w: [N, bytes] from quant_q6k_interleave -> [M, N] float32.
 torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "Q6_K quant_gemm: x must be [M, K] float32");
-  q6k::check_rows(w, q6k::kFileBytes, "Q6_K quant_gemm");
+  ilv::check_group_rows(w, q6k::kFileBytes, "Q6_K quant_gemm");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % q6k::kSuper == 0 && w.size(1) == K / q6k::kSuper * q6k::kFileBytes,
@@ -259,7 +209,9 @@ torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   const int64_t group_bytes = q6k::kRows * w.size(1);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / q6k::kRows, 4, [&](int64_t g0, int64_t g1) {
-    q6k::groups_times_activations(wp, group_bytes, g0, g1, N, act, s16, M, yp);
+    ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
+      q6k::group_kernel<decltype(mr)::value>(gp, act, s16, m, out, N);
+    });
   });
   return y;
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -69,6 +70,74 @@ Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool w
       });
   });
   return {qp, dp, sp, K, nb};
+}
+
+// Every activation row times groups [g0, g1) of eight-row groups: kTile groups at a time stay in
+// cache while the activation rows pass, four rows per kernel call, then the last one to three.
+// kernel(std::integral_constant<int, MR>, group, m0, out): one group x MR activation rows into out
+// (the group's eight columns of y).
+template <class GroupKernel>
+void for_each_group_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t M, float* y,
+                         GroupKernel kernel) {
+  constexpr int64_t kTile = 4;
+  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
+    const int64_t t1 = std::min(g1, t0 + kTile);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int64_t g = t0; g < t1; ++g) kernel(std::integral_constant<int, 4>{}, w + g * group_bytes, m, y + g * kRows);
+    for (int64_t g = t0; g < t1; ++g) {
+      const uint8_t* gp = w + g * group_bytes;
+      float* out = y + g * kRows;
+      switch (M - m) {
+        case 3: kernel(std::integral_constant<int, 3>{}, gp, m, out); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, gp, m, out); break;
+        case 1: kernel(std::integral_constant<int, 1>{}, gp, m, out); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// Super-block formats repacked eight rows at a time (Q4_K, Q6_K): a group's super-block s holds
+// its eight rows' super-block s, laid out by the format's to_group(file_block, row, group_block).
+inline void check_group_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), what,
+              ": w must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(w.size(1) % row_bytes_per_super == 0, what, ": row bytes are not whole super-blocks");
+  TORCH_CHECK(w.size(0) % kRows == 0, what, ": rows must be a multiple of 8, not ", w.size(0));
+}
+
+template <class ToGroup>
+torch::Tensor repack_groups(const torch::Tensor& w, int64_t file_bytes, int64_t group_bytes, ToGroup to_group) {
+  const int64_t nsb = w.size(1) / file_bytes, groups = w.size(0) / kRows;
+  auto out = torch::empty({w.size(0), nsb * group_bytes / kRows}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t s = 0; s < nsb; ++s)
+          to_group(src + ((g * kRows + r) * nsb + s) * file_bytes, r, dst + (g * nsb + s) * group_bytes);
+  });
+  return out;
+}
+
+// Rows `ids` of a repack_groups weight, back in the file's layout.
+template <class FromGroup>
+torch::Tensor group_rows(const torch::Tensor& w, torch::Tensor ids, int64_t file_bytes, int64_t group_bytes,
+                         FromGroup from_group, const char* what) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, what, ": ids must be int64 [R]");
+  ids = ids.contiguous();
+  const int64_t nsb = w.size(1) * kRows / group_bytes, N = w.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  auto out = torch::empty({ids.size(0), nsb * file_bytes}, w.options());
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, what, ": row ", ip[i], " out of range for ", N, " rows");
+    const uint8_t* group = w.data_ptr<uint8_t>() + ip[i] / kRows * nsb * group_bytes;
+    for (int64_t s = 0; s < nsb; ++s)
+      from_group(group + s * group_bytes, ip[i] % kRows, out.data_ptr<uint8_t>() + (i * nsb + s) * file_bytes);
+  }
+  return out;
 }
 
 #if PAGEDLLM_X8_AVX2

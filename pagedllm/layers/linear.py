@@ -76,13 +76,13 @@ class ParallelLinear(nn.Module):
                 start += n
             if start != t.shape[0]:
                 raise ValueError(f"fused {kind} of {t.shape[0]} rows for parts of {self.out_sizes} rows")
-            return _numel(t)
+            return t.numel()
         part = part or 0
         expected = (self.out_sizes[part], self.in_features) if kind == "weight" else (self.out_sizes[part],)
         if tuple(t.shape) != expected:
             raise ValueError(f"checkpoint {kind} of shape {tuple(t.shape)} != model {expected}")
         (self._weights if kind == "weight" else self._biases)[part] = self._keep(t, part, kind)
-        return _numel(t)
+        return t.numel()
 
     def missing(self) -> list[str]:
         """What the checkpoint has not given this layer yet."""
@@ -110,10 +110,6 @@ class ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_sizes={self.out_sizes}, ranks={self.world_size}"
-
-
-def _numel(t: CheckpointTensor) -> int:
-    return t.numel()
 
 
 class ColumnParallelLinear(ParallelLinear):
