@@ -1,18 +1,20 @@
-"""Markdown table of run_baseline.sh's raw results: llama.cpp vs pagedllm, batch size 1.
+"""Tables and a plot of run_baseline.sh's raw results: llama.cpp vs pagedllm, same run.
 
     python3 summarize.py /tmp/real-shapes/raw [RESULTS_DIR]
 
-With RESULTS_DIR (benchmarks/results/real_shapes): also writes results.json and results.md there.
+With RESULTS_DIR: also writes results.json, results.md and results.png there.
 
-Reads OUT/llamacpp/{Q}-pg150_128.json, {Q}-pp512.json, {Q}-tg128.json (llama-bench -o json) and
-OUT/latency/results.jsonl (pagedllm bench latency; the last line of each label wins).
+Reads OUT/llamacpp/{Q}-pg150_128.json, {Q}-pp512.json, {Q}-tg128.json (llama-bench -o json),
+OUT/latency/results.jsonl and OUT/batched/results.jsonl (pagedllm bench; the last line of each
+label wins), OUT/batched/{Q}-llama-batched-bench.jsonl, OUT/bandwidth.json, OUT/{Q}-weight-bytes.json.
 
 Columns: ms/token = wall of (prefill 150 + 128 generated tokens) / 128, prefill included, for both
 engines (llama.cpp: median of the pg150,128 test's 3 samples_ns; pagedllm: ms_per_output_token);
-llama.cpp tg128 ms/token: pure decode, median sample / 128; prefill tok/s of a 512-token prompt
-(llama.cpp: 512 / median pp512 sample; pagedllm: 512 / median wall of a 512-in / 1-out
-request); ratio = pagedllm / llama.cpp for ms/token, llama.cpp / pagedllm for prefill (both > 1
-mean pagedllm is slower).
+prefill tok/s of a 512-token prompt (llama.cpp: 512 / median pp512 sample; pagedllm: 512 / median
+wall of a 512-in / 1-out request); decode alone (llama.cpp: tg128 median / 128; pagedllm: (16 in /
+129 out - 16 in / 1 out) / 128, medians of 3); the bandwidth floor = weight bytes a decode step
+reads / measured read GB/s; batched: total tok/s (prompt + output) of 32 x (150 + 128). Every
+ratio is written so that the issue's bar reads off it directly (named in the header).
 """
 
 from __future__ import annotations
@@ -39,16 +41,45 @@ def med_ns(row: dict) -> float:
     return statistics.median(row["samples_ns"])
 
 
+def read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def paged_results(out: str) -> dict[str, dict]:
+    """pagedllm's bench results by label (the last line of each label wins)."""
+    paged: dict[str, dict] = {}
+    for sub in ("latency", "batched"):
+        path = os.path.join(out, sub, "results.jsonl")
+        if os.path.exists(path):
+            with open(path) as fh:
+                for line in fh:
+                    if line.strip():
+                        r = json.loads(line)
+                        paged[r["label"]] = r
+    return paged
+
+
+def llama_batched_tok_s(out: str, q: str) -> float | None:
+    """llama-batched-bench's total speed (S t/s: prompt + generated tokens / total time)."""
+    path = os.path.join(out, "batched", f"{q}-llama-batched-bench.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        lines = [json.loads(x) for x in fh if x.strip().startswith("{")]
+    return lines[-1]["speed"] if lines else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if (a and b) else None
+
+
 def rows(out: str) -> list[dict]:
     """One row per file: both engines' figures and the ratios (None where a run is missing)."""
-    paged: dict[str, dict] = {}
-    lat = os.path.join(out, "latency", "results.jsonl")
-    if os.path.exists(lat):
-        with open(lat) as fh:
-            for line in fh:
-                if line.strip():
-                    r = json.loads(line)
-                    paged[r["label"]] = r
+    paged = paged_results(out)
+    bandwidth = read_json(os.path.join(out, "bandwidth.json"))
     order = ["Q4_K_M", "Q4_0", "Q8_0"]
     quants = sorted(
         {f.split("-")[0] for f in os.listdir(os.path.join(out, "llamacpp")) if f.endswith(".json")},
@@ -69,37 +100,95 @@ def rows(out: str) -> list[dict]:
         if pp_p:
             w = pp_p["workload"]
             p_pp = w["prompt_len"]["mean"] * w["num_requests"] / pp_p["wall_s"]
+        d_long, d_short = paged.get(f"pagedllm {q} decode16+129"), paged.get(f"pagedllm {q} decode16+1")
+        p_tg = (d_long["wall_s"] - d_short["wall_s"]) * 1e3 / 128 if (d_long and d_short) else None
+        b = paged.get(f"pagedllm {q} batched32")
+        p_b = None
+        if b:
+            w = b["workload"]
+            p_b = (w["prompt_len"]["mean"] + w["output_len"]["mean"]) * w["num_requests"] / b["wall_s"]
+        l_b = llama_batched_tok_s(out, q)
+        wb = read_json(os.path.join(out, f"{q}-weight-bytes.json"))
+        floor = wb["bytes_per_token"] / (bandwidth["read_gb_s"] * 1e9) * 1e3 if (wb and bandwidth) else None
         out_rows.append(
             {
                 "file": q,
                 "llamacpp_ms_per_token_pg150_128": l_ms,
-                "llamacpp_tg128_ms_per_token": l_tg,
-                "llamacpp_prefill512_tok_s": l_pp,
                 "pagedllm_ms_per_token_150_128": p_ms,
+                "ratio_ms_per_token_paged_over_llama": ratio(p_ms, l_ms),
+                "llamacpp_prefill512_tok_s": l_pp,
                 "pagedllm_prefill512_tok_s": p_pp,
-                "ratio_ms_per_token_paged_over_llama": p_ms / l_ms if (p_ms and l_ms) else None,
-                "ratio_prefill_llama_over_paged": l_pp / p_pp if (l_pp and p_pp) else None,
+                "ratio_prefill_paged_over_llama": ratio(p_pp, l_pp),
+                "llamacpp_tg128_ms_per_token": l_tg,
+                "pagedllm_decode_ms_per_token": p_tg,
+                "bandwidth_floor_ms_per_token": floor,
+                "pagedllm_decode_over_floor": ratio(p_tg, floor),
+                "llamacpp_batched32_total_tok_s": l_b,
+                "pagedllm_batched32_total_tok_s": p_b,
+                "ratio_batched_paged_over_llama": ratio(p_b, l_b),
+                "weight_bytes_per_token": wb["bytes_per_token"] if wb else None,
+                "read_gb_s": bandwidth["read_gb_s"] if bandwidth else None,
             }
         )
     return out_rows
 
 
-def table(rs: list[dict]) -> str:
-    def f(x, d=1):
-        return "-" if x is None else f"{x:.{d}f}"
+COLUMNS = [  # (key, header, decimals)
+    ("file", "file", None),
+    ("llamacpp_ms_per_token_pg150_128", "llama.cpp ms/token pg150,128", 1),
+    ("pagedllm_ms_per_token_150_128", "pagedllm ms/token 150/128", 1),
+    ("ratio_ms_per_token_paged_over_llama", "ms/token paged/llama (bar <= 0.9)", 2),
+    ("llamacpp_prefill512_tok_s", "llama.cpp prefill 512 tok/s", 1),
+    ("pagedllm_prefill512_tok_s", "pagedllm prefill 512 tok/s", 1),
+    ("ratio_prefill_paged_over_llama", "prefill paged/llama (bar >= 1.5)", 2),
+    ("llamacpp_tg128_ms_per_token", "llama.cpp decode ms/token (tg128)", 1),
+    ("pagedllm_decode_ms_per_token", "pagedllm decode ms/token", 1),
+    ("bandwidth_floor_ms_per_token", "floor ms/token (bytes / read GB/s)", 1),
+    ("pagedllm_decode_over_floor", "pagedllm decode / floor (bar <= 1.15)", 2),
+    ("llamacpp_batched32_total_tok_s", "llama.cpp 32 x (150+128) tok/s", 1),
+    ("pagedllm_batched32_total_tok_s", "pagedllm 32 x (150+128) tok/s", 1),
+    ("ratio_batched_paged_over_llama", "batched paged/llama (bar >= 2)", 2),
+]
 
-    lines = [
-        "| file | llama.cpp ms/token pg150,128 | llama.cpp tg128 ms/token | llama.cpp prefill 512 tok/s | "
-        "pagedllm ms/token 150/128 | pagedllm prefill 512 tok/s | ratio ms/token (paged/llama) | "
-        "ratio prefill (llama/paged) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+
+def table(rs: list[dict]) -> str:
+    def f(x, d):
+        return "-" if x is None else (str(x) if d is None else f"{x:.{d}f}")
+
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for r in rs:
-        v = list(r.values())
-        lines.append(
-            f"| {v[0]} | {f(v[1])} | {f(v[2])} | {f(v[3])} | {f(v[4])} | {f(v[5])} | {f(v[6], 2)} | {f(v[7], 2)} |"
-        )
+        lines.append("| " + " | ".join(f(r[k], d) for k, _, d in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def plot(rs: list[dict], machine: str, path: str) -> None:
+    """Each ratio per file, pagedllm over llama.cpp oriented so that above 1 is pagedllm ahead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [
+        (
+            "batch 1 150+128 (llama ms / paged ms)",
+            lambda r: ratio(r["llamacpp_ms_per_token_pg150_128"], r["pagedllm_ms_per_token_150_128"]),
+        ),
+        ("prefill 512", lambda r: r["ratio_prefill_paged_over_llama"]),
+        ("decode alone", lambda r: ratio(r["llamacpp_tg128_ms_per_token"], r["pagedllm_decode_ms_per_token"])),
+        ("32 x (150+128)", lambda r: r["ratio_batched_paged_over_llama"]),
+    ]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(metrics)
+    for i, (name, fn) in enumerate(metrics):
+        xs = [j + i * width for j in range(len(rs))]
+        ax.bar(xs, [fn(r) or 0 for r in rs], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rs))], [r["file"] for r in rs])
+    ax.set_ylabel("pagedllm speed / llama.cpp speed")
+    ax.set_title((machine.splitlines() or [""])[0].replace("Model name:", "").strip(), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main(out: str, results_dir: str | None = None) -> int:
@@ -116,6 +205,7 @@ def main(out: str, results_dir: str | None = None) -> int:
             json.dump({"machine": machine.strip().splitlines(), "rows": rs}, fh, indent=2)
         with open(os.path.join(results_dir, "results.md"), "w") as fh:
             fh.write("```\n" + machine.strip() + "\n```\n\n" + table(rs) + "\n")
+        plot(rs, machine, os.path.join(results_dir, "results.png"))
     return 0
 
 
