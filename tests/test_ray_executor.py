@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -130,17 +131,21 @@ async def _one_request(engine: AsyncLLMEngine) -> list[int]:
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_async_engine_shutdown_stops_the_workers(request, tiny_llama, backend):
     """What the server's lifespan does on exit: the workers leave their loops at the stop
-    message (exit code 0 / the loop call returns), then nothing of them is left."""
+    message (exit code 0 / the loop call returns), then nothing of them is left, their
+    rendezvous (a FileStore in a private directory: every rank is on this node) included."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     config = EngineConfig.from_kwargs(model=tiny_llama, **TP2, distributed_executor_backend=backend)
     engine = AsyncLLMEngine.from_config(config)
     executor = engine.engine.runner.executor
+    rendezvous_dir = os.path.dirname(executor.rendezvous.spec.file)
+    assert stat.S_IMODE(os.stat(rendezvous_dir).st_mode) == 0o700
     engine.start()
     try:
         assert len(asyncio.run(_one_request(engine))) == 4
     finally:
         engine.shutdown()
+    assert not os.path.exists(rendezvous_dir)
     if backend == "mp":
         assert [p.exitcode for p in executor.procs] == [0]
     else:
