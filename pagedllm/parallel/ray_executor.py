@@ -8,10 +8,10 @@ loopback, and ranks spill onto other nodes only when this one is full. SPREAD wo
 ranks even when one node holds them all (every collective a network hop); STRICT_PACK would refuse
 a model that needs more than one node.
 
-Connecting: a Ray already initialized in this process is used as it is; else ``ray.init()``,
-which joins the cluster RAY_ADDRESS names, or the one ``ray start --head`` started on this node,
-or starts a local one. The executor kills its actors and removes its placement group at shutdown;
-it disconnects from Ray only if it connected itself.
+Connecting: a Ray already initialized in this process is used as it is; else the cluster
+RAY_ADDRESS names (``auto``: the one ``ray start`` runs on this node), else a local one bound to
+loopback (ray_cluster.py). The executor kills its actors and removes its placement group at
+shutdown; it disconnects from Ray only if it connected itself.
 
 Rendezvous (rendezvous.py): ranks that all landed on the driver's node meet through a FileStore
 in a private directory and talk over loopback; ranks on other nodes need the operator to name
@@ -33,6 +33,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.parallel.group import TensorParallelGroup
+from pagedllm.parallel.ray_cluster import connect_ray, import_ray
 from pagedllm.parallel.rendezvous import DriverRendezvous, Rendezvous
 from pagedllm.parallel.worker import TensorParallelExecutor, run_rank, threads_per_rank
 
@@ -43,15 +44,6 @@ logger = logging.getLogger("pagedllm")
 PLACEMENT_TIMEOUT_ENV = "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S"
 # How long start-up waits for each actor's process to start (import torch, answer its first call).
 ACTOR_START_TIMEOUT_S = 300.0
-
-
-def import_ray():
-    """The ray module, or an error saying how to install it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from e
-    return ray
 
 
 class RankActor:
@@ -105,18 +97,17 @@ class RayExecutor(TensorParallelExecutor):
         """Reserves the ranks' CPUs, starts ranks 1..N-1 as actors, joins the group as rank 0."""
         import torch.distributed as dist
 
-        ray = import_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process (its process group is "
                 "the default one): shut it down first (LLM.shutdown()) or run the other in its own process."
             )
-        connected_here = not ray.is_initialized()
-        if connected_here:
-            ray.init()  # RAY_ADDRESS, else a `ray start` cluster on this node, else a new local one
+        # Before anything imports ray: a local cluster's loopback binding is set at its import.
+        connected_here = connect_ray() != "connected"  # RAY_ADDRESS's cluster, else a local one
+        ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         world, threads = config.tensor_parallel_size, threads_per_rank(config)
         driver_ip = ray.util.get_node_ip_address()
         # vLLM's way to pin bundle 0 to the driver's node: a sliver of the node's own resource.
