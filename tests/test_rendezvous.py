@@ -125,6 +125,16 @@ def test_ray_ranks_on_the_driver_node_meet_on_loopback_and_elsewhere_need_a_name
         rdv.close()
 
 
+def test_serve_takes_the_interface_flag():
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.engine_args import engine_kwargs
+
+    argv = ["serve", "m", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    args = build_parser(["serve"]).parse_args([*argv, "--distributed-interface", "eth1"])
+    assert engine_kwargs(args)["distributed_interface"] == "eth1"
+    assert engine_kwargs(build_parser(["serve"]).parse_args(argv))["distributed_interface"] is None
+
+
 @pytest.mark.parametrize("backend", [None, "mp"])
 def test_a_named_interface_is_refused_where_every_rank_runs_on_this_node(backend):
     with pytest.raises(ValueError, match="distributed_interface='eth1'.*'ray' only"):
