@@ -89,6 +89,10 @@ class EngineConfig:
     # starts on this node); "ray" (Ray actors, on this node or a cluster's); "uni" (one process)
     # only with tensor_parallel_size=1.
     distributed_executor_backend: str | None = None
+    # The network interface (e.g. "eth1") "ray" ranks on several nodes listen and connect on,
+    # unauthenticated (docs/scaling.md). None: ranks must all run on the driver's node, and
+    # everything they listen on is bound to loopback.
+    distributed_interface: str | None = None
     # Accepted, no effect: vLLM's switch to skip CUDA graph capture; pagedllm runs eagerly always.
     enforce_eager: bool = False
     # Accepted, no effect: the engine logs no periodic stats (they are on /metrics and /stats).
@@ -156,6 +160,12 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend must be None, 'mp', 'ray' or 'uni', got {backend!r}.")
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'")
+        interface = self.distributed_interface
+        if interface is not None and (backend != "ray" or not isinstance(interface, str) or not interface):
+            raise ValueError(
+                f"distributed_interface={interface!r}: an interface name, for distributed_executor_backend='ray' "
+                "only (the other executors run every rank on this node, over loopback)."
+            )
         if tp == 1:
             return
         if backend == "uni":

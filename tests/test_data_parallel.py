@@ -285,6 +285,17 @@ def test_kv_blocks_per_replica(dp_server):
     assert bad.status_code == 400 and "replicas 0 to 1" in bad.json()["error"]["message"]
 
 
+def test_the_server_and_its_ray_cluster_listen_on_loopback_only(dp_server):
+    """The local Ray cluster a DP server starts (GCS, raylet, agents, replica workers) is bound to
+    loopback, as is the server: nothing of it is reachable from another machine."""
+    from listening_sockets import assert_loopback_only
+
+    pids = {r["pid"] for r in stats(dp_server)["replicas"]}
+    listening = assert_loopback_only(dp_server.proc.pid, expect_processes=3)
+    assert dp_server.port in {x.port for x in listening}
+    assert pids <= {x.pid for x in listening}, "the replicas' own sockets were not found"
+
+
 def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(dp_server):
     """Last in the module: it kills replica 1's process."""
     pids = [r["pid"] for r in stats(dp_server)["replicas"]]

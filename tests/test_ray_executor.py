@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -130,17 +131,21 @@ async def _one_request(engine: AsyncLLMEngine) -> list[int]:
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_async_engine_shutdown_stops_the_workers(request, tiny_llama, backend):
     """What the server's lifespan does on exit: the workers leave their loops at the stop
-    message (exit code 0 / the loop call returns), then nothing of them is left."""
+    message (exit code 0 / the loop call returns), then nothing of them is left, their
+    rendezvous (a FileStore in a private directory: every rank is on this node) included."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     config = EngineConfig.from_kwargs(model=tiny_llama, **TP2, distributed_executor_backend=backend)
     engine = AsyncLLMEngine.from_config(config)
     executor = engine.engine.runner.executor
+    rendezvous_dir = os.path.dirname(executor.rendezvous.spec.file)
+    assert stat.S_IMODE(os.stat(rendezvous_dir).st_mode) == 0o700
     engine.start()
     try:
         assert len(asyncio.run(_one_request(engine))) == 4
     finally:
         engine.shutdown()
+    assert not os.path.exists(rendezvous_dir)
     if backend == "mp":
         assert [p.exitcode for p in executor.procs] == [0]
     else:
@@ -170,3 +175,54 @@ def test_ray_not_installed_is_a_clear_error(monkeypatch):
         EngineConfig.from_kwargs(tensor_parallel_size=2, **RAY)
     with pytest.raises(ImportError, match=r"pip install 'pagedllm\[ray\]'"):
         import_ray()
+
+
+def test_server_on_ray_listens_on_loopback_only(tiny_llama, tmp_path):
+    """`pagedllm serve --tensor-parallel-size 2 --distributed-executor-backend ray` without
+    RAY_ADDRESS: the Ray cluster it starts (GCS, raylet, agents, the rank actor's worker) and the
+    ranks' gloo connections listen on loopback only, and it serves."""
+    import httpx
+    from listening_sockets import assert_loopback_only
+    from test_server import ServerProcess
+
+    env = {"RAY_ADDRESS": ""}  # its own local cluster, never one this test run started
+    args = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray", "--num-threads", "1")
+    srv = ServerProcess(tiny_llama, str(tmp_path / "server.log"), *args, env=env, wait=False)
+    srv.wait_healthy(timeout=300)  # Ray's start, then the actor's
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        # the server, and Ray's GCS and raylet at least
+        listening = assert_loopback_only(srv.proc.pid, expect_processes=3)
+        assert srv.port in {x.port for x in listening}
+    finally:
+        srv.stop()
+
+
+def test_a_local_cluster_that_would_not_be_on_loopback_is_refused():
+    """connect_ray sets Ray's local-only switch before ray is first imported; in a process that
+    imported ray before (the switch comes too late) it refuses to start a cluster on this node's
+    network address rather than expose it."""
+    import ipaddress
+    import subprocess
+
+    script = (
+        "import ray\n"
+        "from pagedllm.parallel.ray_cluster import connect_ray\n"
+        "print(ray.util.get_node_ip_address(), flush=True)\n"
+        "try:\n"
+        "    connect_ray()\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+        "print('initialized:', ray.is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["RAY_ADDRESS"] = ""
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    node_ip = proc.stdout.splitlines()[0]
+    if ipaddress.ip_address(node_ip).is_loopback:
+        pytest.skip("this machine's Ray node address is loopback anyway")
+    assert f"refused: a local Ray cluster started here would listen on {node_ip}, not loopback" in proc.stdout
+    assert "initialized: False" in proc.stdout

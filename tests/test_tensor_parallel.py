@@ -230,7 +230,10 @@ def _spawned_children(pid: int) -> list[int]:
 
 
 def test_server_with_tp2_answers_then_turns_unhealthy_when_a_worker_dies(tiny_llama, tmp_path):
+    """Also: every socket the server and its worker listen on (HTTP, gloo; the rendezvous is a
+    file) is bound to loopback."""
     import httpx
+    from listening_sockets import assert_loopback_only
     from test_server import ServerProcess
 
     srv = ServerProcess(tiny_llama, str(tmp_path / "server.log"), "--tensor-parallel-size", "2")
@@ -243,6 +246,8 @@ def test_server_with_tp2_answers_then_turns_unhealthy_when_a_worker_dies(tiny_ll
         )
         assert r.json()["choices"][0]["text"] == offline[0].outputs[0].text
         (worker,) = _spawned_children(srv.proc.pid)
+        listening = assert_loopback_only(srv.proc.pid, expect_processes=2)
+        assert worker in {x.pid for x in listening} and srv.port in {x.port for x in listening}
         os.kill(worker, signal.SIGKILL)
         codes = [httpx.post(srv.url("/v1/completions"), json=body, timeout=ERROR_WAIT_S).status_code for _ in range(4)]
         assert set(codes) == {500}
@@ -255,20 +260,25 @@ def test_server_with_tp2_answers_then_turns_unhealthy_when_a_worker_dies(tiny_ll
 def test_a_worker_lost_before_the_rendezvous_fails_the_start_at_once():
     """The driver waits for the workers to join in short slices: a worker known dead ends the wait
     with its story, long before the rendezvous timeout (600 s)."""
-    from pagedllm.parallel.group import TensorParallelGroup, free_port
+    from pagedllm.parallel.group import TensorParallelGroup
+    from pagedllm.parallel.rendezvous import DriverRendezvous
 
     done = threading.Event()
     errors: list[BaseException] = []
+    rendezvous = DriverRendezvous.on_this_node()
 
     def start() -> None:
         try:
-            TensorParallelGroup(0, 2, free_port(), dead_worker=lambda: "worker rank 1 (pid 0) exited with code 1")
+            TensorParallelGroup(0, 2, rendezvous, dead_worker=lambda: "worker rank 1 (pid 0) exited with code 1")
         except BaseException as e:  # what the test checks
             errors.append(e)
         done.set()
 
     threading.Thread(target=start, daemon=True).start()
-    assert done.wait(ERROR_WAIT_S), "the driver kept waiting for a dead worker"
+    try:
+        assert done.wait(ERROR_WAIT_S), "the driver kept waiting for a dead worker"
+    finally:
+        rendezvous.close()
     assert isinstance(errors[0], TensorParallelWorkerError)
     assert "rank 1" in str(errors[0]) and "before it joined" in str(errors[0])
 

@@ -2,7 +2,8 @@
 
 Ray gives both "processes on this node" and "actors across nodes" from one code path: with
 RAY_ADDRESS set the server joins that cluster and the replicas land wherever it has CPUs; else it
-starts a local cluster of this machine's CPUs (and stops it on shutdown). Each replica reserves
+starts a local cluster of this machine's CPUs bound to loopback (parallel/ray_cluster.py) and
+stops it on shutdown. Each replica reserves
 ``num_threads`` CPUs (by default the cluster's CPUs / N) and runs that many torch threads.
 
 Requests: the router (router.py) picks a replica from the prompt's token ids; the replica's
@@ -32,6 +33,7 @@ from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.intake import PromptType
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.outputs import RequestOutput
+from pagedllm.parallel.ray_cluster import connect_ray
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 
@@ -181,16 +183,13 @@ class DataParallelClient:
         returns once every replica has loaded the model."""
         check_data_parallel(config, data_parallel_size)
         try:
-            import ray
+            # Before anything imports ray: a local cluster's loopback binding is set at its import.
+            # RAY_ADDRESS's cluster, else a local one of this machine's CPUs.
+            owns = connect_ray(num_cpus=os.cpu_count()) == "started"
         except ImportError as e:
             raise ValueError("data_parallel_size > 1 needs Ray: pip install ray") from e
-        owns = False
-        if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init()  # join the cluster the environment names
-            else:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
-                owns = True
+        import ray
+
         try:
             cpus = int(ray.cluster_resources().get("CPU", 1))
             threads = config.num_threads or max(1, cpus // data_parallel_size)

@@ -40,7 +40,12 @@ _HELP = {
     "pipeline_parallel_size": "only 1",
     "distributed_executor_backend": (
         "how tensor-parallel ranks run: mp (worker processes on this node; the default) | "
-        "ray (Ray actors of the cluster RAY_ADDRESS or `ray start` gives, else a local one)"
+        "ray (Ray actors of the cluster RAY_ADDRESS names, else of a local one bound to loopback)"
+    ),
+    "distributed_interface": (
+        "network interface (e.g. eth1) Ray ranks on several nodes listen and connect on, without "
+        "authentication: a private network only (docs/scaling.md); default: none, every rank on this node "
+        "over loopback"
     ),
     "enforce_eager": "accepted for vLLM's command lines; pagedllm always runs eagerly",
     "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",

@@ -9,13 +9,14 @@ runs on a group without a practical timeout.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.parallel.rendezvous import DriverRendezvous, Rendezvous, gloo_interface
 
 # A collective inside a step that takes longer than this means a rank is gone or stuck.
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_COLLECTIVE_TIMEOUT_S", "120")))
@@ -42,22 +43,22 @@ class TensorParallelGroup:
         self,
         rank: int,
         world_size: int,
-        port: int,
-        host: str = "127.0.0.1",
+        rendezvous: Rendezvous | DriverRendezvous,
         dead_worker: Callable[[], str | None] | None = None,
     ) -> None:
-        """``host``:``port``: the rendezvous (a TCP store rank 0 serves); 127.0.0.1 when every rank
-        runs on this node, the driver node's address when ranks run on others (the Ray executor).
-        Gloo's own connections use the interface GLOO_SOCKET_IFNAME names, else the one this
-        host's name resolves to. ``dead_worker`` (rank 0): what happened to a worker that is gone,
-        or None; the driver checks it while it waits for the workers to join."""
+        """``rendezvous``: where the ranks meet and the interface gloo binds (rendezvous.py);
+        rank 0 (the driver) serves it, so it passes the DriverRendezvous, the workers its spec.
+        ``dead_worker`` (rank 0): what happened to a worker that is gone, or None; the driver
+        checks it while it waits for the workers to join."""
         self.rank, self.world_size = rank, world_size
-        store = _rendezvous(rank, world_size, host, port, dead_worker)
-        # The default group carries the step broadcast (no practical timeout: an idle engine).
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=max(IDLE_TIMEOUT, RENDEZVOUS_TIMEOUT)
-        )
-        self.model_group = dist.new_group(list(range(world_size)), timeout=COLLECTIVE_TIMEOUT, backend="gloo")
+        store = _rendezvous(rank, world_size, rendezvous, dead_worker)
+        interface = rendezvous.spec.interface if isinstance(rendezvous, DriverRendezvous) else rendezvous.interface
+        with gloo_interface(interface):
+            # The default group carries the step broadcast (no practical timeout: an idle engine).
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=max(IDLE_TIMEOUT, RENDEZVOUS_TIMEOUT)
+            )
+            self.model_group = dist.new_group(list(range(world_size)), timeout=COLLECTIVE_TIMEOUT, backend="gloo")
         self.comm_seconds = 0.0
         self.num_collectives = 0
 
@@ -92,36 +93,33 @@ class TensorParallelGroup:
 
 
 def _rendezvous(
-    rank: int, world_size: int, host: str, port: int, dead_worker: Callable[[], str | None] | None
-) -> dist.TCPStore:
-    """The TCP store every rank joins through. Rank 0 serves it and waits for each worker's
+    rank: int,
+    world_size: int,
+    rendezvous: Rendezvous | DriverRendezvous,
+    dead_worker: Callable[[], str | None] | None,
+) -> dist.Store:
+    """The store every rank joins through. Rank 0 serves it and waits for each worker's
     "joined" key in short slices, checking ``dead_worker`` in between: a worker that dies before it
     joins (a crash at import, a script that starts an engine at import under "spawn") fails the
     start at once instead of after RENDEZVOUS_TIMEOUT."""
     if rank != 0:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        assert isinstance(rendezvous, Rendezvous)
+        store = rendezvous.join(world_size, RENDEZVOUS_TIMEOUT)
         store.set(f"pagedllm/joined/{rank}", "1")
         return store
-    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    assert isinstance(rendezvous, DriverRendezvous), "rank 0 serves the rendezvous"
+    store = rendezvous.serve(world_size, RENDEZVOUS_TIMEOUT)
     keys = [f"pagedllm/joined/{r}" for r in range(1, world_size)]
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
-    while True:
-        try:
-            store.wait(keys, _JOIN_POLL)
-            return store
-        except dist.DistStoreError:  # not every worker has joined yet
-            dead = dead_worker() if dead_worker is not None else None
-            if dead is not None:
-                raise TensorParallelWorkerError(f"{dead} before it joined the tensor-parallel group") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"tensor-parallel workers did not join within {RENDEZVOUS_TIMEOUT.total_seconds():g}s "
-                    "(PAGEDLLM_TP_RENDEZVOUS_TIMEOUT_S)"
-                ) from None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, for the rendezvous rank 0 serves ("" checks every interface)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    # check() does not block (a FileStore's wait() with a timeout raises a bare RuntimeError).
+    while not store.check(keys):
+        dead = dead_worker() if dead_worker is not None else None
+        if dead is not None:
+            raise TensorParallelWorkerError(f"{dead} before it joined the tensor-parallel group")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"tensor-parallel workers did not join within {RENDEZVOUS_TIMEOUT.total_seconds():g}s "
+                "(PAGEDLLM_TP_RENDEZVOUS_TIMEOUT_S)"
+            )
+        time.sleep(_JOIN_POLL.total_seconds())
+    return store

@@ -15,7 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.parallel.group import TensorParallelGroup, free_port
+from pagedllm.parallel.group import TensorParallelGroup
+from pagedllm.parallel.rendezvous import DriverRendezvous, Rendezvous
 from pagedllm.parallel.worker import (
     JOIN_TIMEOUT_S,
     TensorParallelExecutor,
@@ -40,10 +41,13 @@ def _rank_cpus(rank: int, world_size: int) -> set[int] | None:
 class MultiprocExecutor(TensorParallelExecutor):
     """The driver's side: the worker processes and rank 0's process group."""
 
-    def __init__(self, config: EngineConfig, procs: list, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config: EngineConfig, procs: list, tp: TensorParallelGroup, rendezvous: DriverRendezvous
+    ) -> None:
         super().__init__(config, tp)
         self.procs = procs
-        self._finalizer = weakref.finalize(self, _release, procs, tp)
+        self.rendezvous = rendezvous
+        self._finalizer = weakref.finalize(self, _release, procs, tp, rendezvous)
 
     @classmethod
     def start(cls, config: EngineConfig) -> MultiprocExecutor:
@@ -56,27 +60,32 @@ class MultiprocExecutor(TensorParallelExecutor):
                 "the default one): shut it down first (LLM.shutdown()) or run the other in its own process."
             )
         world = config.tensor_parallel_size
-        port = free_port()
+        # Every rank is on this node: a FileStore in a private directory, gloo on loopback.
+        rendezvous = DriverRendezvous.on_this_node()
         ctx = mp.get_context("spawn")
         procs = []
-        for rank in range(1, world):
-            p = ctx.Process(target=worker_main, args=(config, rank, port), name=f"pagedllm-tp{rank}", daemon=True)
-            p.start()
-            procs.append(p)
-        torch.set_num_threads(threads_per_rank(config))
         try:
-            tp = TensorParallelGroup(0, world, port, dead_worker=lambda: _dead_process(procs))
+            for rank in range(1, world):
+                p = ctx.Process(
+                    target=worker_main, args=(config, rank, rendezvous.spec), name=f"pagedllm-tp{rank}", daemon=True
+                )
+                p.start()
+                procs.append(p)
+            torch.set_num_threads(threads_per_rank(config))
+            tp = TensorParallelGroup(0, world, rendezvous, dead_worker=lambda: _dead_process(procs))
         except TensorParallelWorkerError as e:
             _stop_processes(procs)
+            rendezvous.close()
             raise TensorParallelWorkerError(
                 f"{e}: its stderr says why. Under the 'spawn' start method each worker imports the "
                 'main module again: a script must start engines under `if __name__ == "__main__":`.'
             ) from None
         except BaseException:
             _stop_processes(procs)
+            rendezvous.close()
             raise
         logger.info("pagedllm: tensor parallel x%d, workers %s", world, [p.pid for p in procs])
-        return cls(config, procs, tp)
+        return cls(config, procs, tp, rendezvous)
 
     def _dead_worker(self) -> str | None:
         return _dead_process(self.procs)
@@ -94,9 +103,10 @@ def _dead_process(procs: list) -> str | None:
     return None
 
 
-def _release(procs: list, tp: TensorParallelGroup) -> None:
+def _release(procs: list, tp: TensorParallelGroup, rendezvous: DriverRendezvous) -> None:
     _stop_processes(procs)
     tp.destroy()
+    rendezvous.close()
 
 
 def _stop_processes(procs: list) -> None:
@@ -109,7 +119,7 @@ def _stop_processes(procs: list) -> None:
             p.kill()
 
 
-def worker_main(config: EngineConfig, rank: int, port: int) -> None:
+def worker_main(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
     """A spawned worker rank: pinned to its slice of the CPUs, runs run_rank; any failure exits
     the process (the driver sees the exit code, and its collectives fail)."""
     cpus = _rank_cpus(rank, config.tensor_parallel_size)
@@ -117,7 +127,7 @@ def worker_main(config: EngineConfig, rank: int, port: int) -> None:
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads_per_rank(config))
     try:
-        run_rank(config, rank, port, "127.0.0.1")
+        run_rank(config, rank, rendezvous)
     except BaseException:
         traceback.print_exc()  # the cause, in the worker's stderr
         os._exit(1)

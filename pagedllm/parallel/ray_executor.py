@@ -8,10 +8,14 @@ loopback, and ranks spill onto other nodes only when this one is full. SPREAD wo
 ranks even when one node holds them all (every collective a network hop); STRICT_PACK would refuse
 a model that needs more than one node.
 
-Connecting: a Ray already initialized in this process is used as it is; else ``ray.init()``,
-which joins the cluster RAY_ADDRESS names, or the one ``ray start --head`` started on this node,
-or starts a local one. The executor kills its actors and removes its placement group at shutdown;
-it disconnects from Ray only if it connected itself.
+Connecting: a Ray already initialized in this process is used as it is; else the cluster
+RAY_ADDRESS names (``auto``: the one ``ray start`` runs on this node), else a local one bound to
+loopback (ray_cluster.py). The executor kills its actors and removes its placement group at
+shutdown; it disconnects from Ray only if it connected itself.
+
+Rendezvous (rendezvous.py): ranks that all landed on the driver's node meet through a FileStore
+in a private directory and talk over loopback; ranks on other nodes need the operator to name
+the network interface they may listen on (``distributed_interface``), else the start fails.
 
 A worker's death shows on the ObjectRef of its step loop (the actor's one long call): it becomes
 ready with RayActorError when the actor's process dies (killed, ray.kill, its node lost), and
@@ -28,7 +32,9 @@ import weakref
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.parallel.group import TensorParallelGroup, free_port
+from pagedllm.parallel.group import TensorParallelGroup
+from pagedllm.parallel.ray_cluster import connect_ray, import_ray
+from pagedllm.parallel.rendezvous import DriverRendezvous, Rendezvous
 from pagedllm.parallel.worker import TensorParallelExecutor, run_rank, threads_per_rank
 
 logger = logging.getLogger("pagedllm")
@@ -40,30 +46,21 @@ PLACEMENT_TIMEOUT_ENV = "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S"
 ACTOR_START_TIMEOUT_S = 300.0
 
 
-def import_ray():
-    """The ray module, or an error saying how to install it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from e
-    return ray
-
-
 class RankActor:
     """One worker rank in a Ray actor's process (made a Ray actor class in RayExecutor.start)."""
 
     def __init__(self, threads: int) -> None:
         torch.set_num_threads(threads)  # the CPUs of this rank's bundle
 
-    def info(self) -> tuple[int, str]:
-        """(pid, node IP) of this actor's process."""
+    def info(self) -> tuple[int, str, str]:
+        """(pid, node IP, node id) of this actor's process."""
         import ray
 
-        return os.getpid(), ray.util.get_node_ip_address()
+        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-    def run(self, config: EngineConfig, rank: int, port: int, host: str) -> None:
+    def run(self, config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
         """The step loop; returns when the driver broadcasts the stop message."""
-        run_rank(config, rank, port, host)
+        run_rank(config, rank, rendezvous)
 
 
 class RayExecutor(TensorParallelExecutor):
@@ -79,37 +76,38 @@ class RayExecutor(TensorParallelExecutor):
         tp: TensorParallelGroup,
         actors: list,
         names: list[str],
-        infos: list[tuple[int, str]],
+        infos: list[tuple[int, str, str]],
         loops: list,
         placement_group,
+        rendezvous: DriverRendezvous,
         connected_here: bool,
     ) -> None:
         super().__init__(config, tp)
         self.actors = actors
         self.actor_names = names
-        self.worker_pids = [pid for pid, _ in infos]
-        self.worker_nodes = [ip for _, ip in infos]
+        self.worker_pids = [pid for pid, _, _ in infos]
+        self.worker_nodes = [ip for _, ip, _ in infos]
         self.loops = loops  # the ObjectRef of each worker's run(): ready only when it stops
         self.placement_group = placement_group
-        self._finalizer = weakref.finalize(self, _release, actors, placement_group, tp, connected_here)
+        self.rendezvous = rendezvous
+        self._finalizer = weakref.finalize(self, _release, actors, placement_group, tp, rendezvous, connected_here)
 
     @classmethod
     def start(cls, config: EngineConfig) -> RayExecutor:
         """Reserves the ranks' CPUs, starts ranks 1..N-1 as actors, joins the group as rank 0."""
         import torch.distributed as dist
 
-        ray = import_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process (its process group is "
                 "the default one): shut it down first (LLM.shutdown()) or run the other in its own process."
             )
-        connected_here = not ray.is_initialized()
-        if connected_here:
-            ray.init()  # RAY_ADDRESS, else a `ray start` cluster on this node, else a new local one
+        # Before anything imports ray: a local cluster's loopback binding is set at its import.
+        connected_here = connect_ray() != "connected"  # RAY_ADDRESS's cluster, else a local one
+        ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         world, threads = config.tensor_parallel_size, threads_per_rank(config)
         driver_ip = ray.util.get_node_ip_address()
         # vLLM's way to pin bundle 0 to the driver's node: a sliver of the node's own resource.
@@ -117,6 +115,7 @@ class RayExecutor(TensorParallelExecutor):
         tag = f"pagedllm-tp-{uuid.uuid4().hex[:8]}"  # names this engine's group and actors
         pg = placement_group(bundles, strategy="PACK", name=tag)
         actors: list = []
+        rendezvous: DriverRendezvous | None = None
         try:
             _wait_for_placement(ray, pg, bundles)
             actor_cls = ray.remote(RankActor)
@@ -127,23 +126,22 @@ class RayExecutor(TensorParallelExecutor):
                     actor_cls.options(name=name, num_cpus=threads, scheduling_strategy=strategy).remote(threads)
                 )
             infos = ray.get([a.info.remote() for a in actors], timeout=ACTOR_START_TIMEOUT_S)
-            # Ranks on other nodes reach the rendezvous at this node's address, not loopback.
-            port = free_port("")
-            loops = [a.run.remote(config, rank, port, driver_ip) for rank, a in enumerate(actors, start=1)]
+            rendezvous = _driver_rendezvous(config, ray.get_runtime_context().get_node_id(), driver_ip, infos)
+            loops = [a.run.remote(config, rank, rendezvous.spec) for rank, a in enumerate(actors, start=1)]
             torch.set_num_threads(threads)
-            pids, nodes = [pid for pid, _ in infos], [ip for _, ip in infos]
-            tp = TensorParallelGroup(
-                0, world, port, driver_ip, dead_worker=lambda: _dead_loop(loops, names, pids, nodes)
-            )
+            pids, nodes = [pid for pid, _, _ in infos], [ip for _, ip, _ in infos]
+            tp = TensorParallelGroup(0, world, rendezvous, dead_worker=lambda: _dead_loop(loops, names, pids, nodes))
         except BaseException:
             for a in actors:
                 ray.kill(a)
             remove_placement_group(pg)
+            if rendezvous is not None:
+                rendezvous.close()
             if connected_here:
                 ray.shutdown()
             raise
-        logger.info("pagedllm: tensor parallel x%d on Ray, workers (pid, node) %s", world, infos)
-        return cls(config, tp, actors, names, infos, loops, pg, connected_here)
+        logger.info("pagedllm: tensor parallel x%d on Ray, workers (pid, node IP, node id) %s", world, infos)
+        return cls(config, tp, actors, names, infos, loops, pg, rendezvous, connected_here)
 
     def _dead_worker(self) -> str | None:
         return _dead_loop(self.loops, self.actor_names, self.worker_pids, self.worker_nodes)
@@ -152,6 +150,26 @@ class RayExecutor(TensorParallelExecutor):
         import ray
 
         ray.wait(self.loops, num_returns=len(self.loops), timeout=timeout)
+
+
+def _driver_rendezvous(
+    config: EngineConfig, driver_node: str, driver_ip: str, infos: list[tuple[int, str, str]]
+) -> DriverRendezvous:
+    """Loopback when every rank landed on the driver's node (PACK puts them there when it has the
+    CPUs); else the interface the operator named, or an error: ranks on several nodes listen on a
+    network, unauthenticated, and only the operator knows which network is private."""
+    elsewhere = sorted({ip for _, ip, node in infos if node != driver_node})
+    if not elsewhere:
+        return DriverRendezvous.on_this_node()
+    if config.distributed_interface is None:
+        raise RuntimeError(
+            f"tensor-parallel ranks landed on other nodes ({', '.join(elsewhere)}) than the driver's "
+            f"({driver_ip}): ranks on several nodes connect over a network interface, without "
+            "authentication. Name one that only the cluster's nodes reach with distributed_interface "
+            "(--distributed-interface; see docs/scaling.md), or give the ranks fewer CPUs (num_threads) "
+            "so that they fit this node."
+        )
+    return DriverRendezvous.on_interface(config.distributed_interface)
 
 
 def _dead_loop(loops: list, names: list[str], pids: list[int], nodes: list[str]) -> str | None:
@@ -192,7 +210,7 @@ def _wait_for_placement(ray, pg, bundles: list[dict]) -> None:
         )
 
 
-def _release(actors: list, pg, tp: TensorParallelGroup, connected_here: bool) -> None:
+def _release(actors: list, pg, tp: TensorParallelGroup, rendezvous: DriverRendezvous, connected_here: bool) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -201,5 +219,6 @@ def _release(actors: list, pg, tp: TensorParallelGroup, connected_here: bool) ->
             ray.kill(a)
         remove_placement_group(pg)
     tp.destroy()
+    rendezvous.close()
     if connected_here:
         ray.shutdown()

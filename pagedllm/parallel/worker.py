@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.parallel.group import TensorParallelGroup, TensorParallelWorkerError
+from pagedllm.parallel.rendezvous import Rendezvous
 from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagedllm")
@@ -41,13 +42,13 @@ def threads_per_rank(config: EngineConfig) -> int:
     return max(1, len(os.sched_getaffinity(0)) // config.tensor_parallel_size)
 
 
-def run_rank(config: EngineConfig, rank: int, port: int, host: str) -> None:
+def run_rank(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
     """A worker rank: join the group, load the shard, allocate the KV cache the driver sized, run
     every step the driver broadcasts until it broadcasts None. Raises what stops it otherwise
     (its executor reports that to the driver)."""
     from pagedllm.engine.builder import build_runner, load_engine_model
 
-    tp = TensorParallelGroup(rank, config.tensor_parallel_size, port, host)
+    tp = TensorParallelGroup(rank, config.tensor_parallel_size, rendezvous)
     loaded = load_engine_model(config, tp)
     num_kv_blocks, num_swap_blocks = tp.broadcast_object()
     runner = build_runner(config, loaded, num_kv_blocks, num_swap_blocks)
