@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf_models import gguf_files_with_cache, tiny_kquant_hf
 from test_quantized import _hidden, kernels  # noqa: F401 (a fixture: the compiled kernels, else skip)
+from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.quantized_linear import QuantizedLinear
@@ -22,6 +23,18 @@ LEGACY_MIX = {"attn_q": T.Q4_0, "attn_k": T.Q5_0, "attn_v": T.Q5_1, "attn_output
 # K a multiple of 256: the super-block formats without a kernel
 KQUANT_MIX = {"attn_q": T.Q4_K, "attn_k": T.Q3_K, "attn_v": T.Q2_K, "ffn_down": T.IQ4_XS, "ffn_up": T.Q6_K}
 WITHOUT_KERNEL = {"legacy": ("Q5_0", "Q5_1", "IQ4_NL"), "kquant": ("Q3_K", "Q2_K", "IQ4_XS")}
+
+
+def logged_gemms(lines: list[str]) -> int:
+    """How many GEMMs the load's formats line ("...: GEMMs 27 Q4_K, 9 Q6_K, 36 float float32; ...") counts."""
+    (line,) = [line for line in lines if ": GEMMs " in line]
+    return sum(int(kind.split()[0]) for kind in line.split(": GEMMs ", 1)[1].split(";")[0].split(", "))
+
+
+def gemm_modules(model: nn.Module) -> int:
+    """The GEMMs the model holds as layers: every GGUF-block and float linear, fused parts apiece."""
+    kinds = (QuantizedLinear, nn.Linear)
+    return sum(isinstance(m, kinds) or type(m).__name__ == "PackedLinear" for m in model.modules())
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +49,15 @@ def files(tiny_model_dirs, tmp_path_factory):
 def test_formats_without_kernel_load_dequantized_and_match_the_float_model(files, which, caplog):
     """Native (the kernel formats in their blocks, the others as floats) computes what the model
     dequantized whole at load computes: same values, other matmul order -> fp32 rounding."""
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         native = LLM(
             model=files[which], dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf"
         )
-    logged = [r.getMessage() for r in caplog.records if "no integer kernel" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records]
+    logged = [line for line in lines if "no integer kernel" in line]
     assert len(logged) == 1 and all(fmt in logged[0] for fmt in WITHOUT_KERNEL[which])
     model = native.llm_engine.model
+    assert logged_gemms(lines) == gemm_modules(model)  # the dequantized parts of mixed projections too
     attn = model.layers[0].self_attn
     assert any(isinstance(m, QuantizedLinear) for m in model.modules())  # the kernel formats stayed blocks
     assert not isinstance(attn.qkv_proj.local, QuantizedLinear)  # mixed q/k/v: parts, some dequantized

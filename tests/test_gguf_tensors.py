@@ -1,4 +1,5 @@
-"""gguf_tensors reads the same tensors as gguf-py's GGUFReader: names, types, shapes, bytes."""
+"""gguf_tensors reads the same tensors as gguf-py's GGUFReader (names, types, shapes, bytes) and,
+asked for, the same metadata values."""
 
 from __future__ import annotations
 
@@ -7,20 +8,27 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf_models import K_QUANTS, tiny_kquant_hf, write_gguf
 
-from pagedllm.models.gguf_tensors import read_gguf_tensors
+from pagedllm.models.gguf_tensors import read_gguf_index, read_gguf_tensors
 from pagedllm.models.resolve import default_model_gguf_path
 
 T = GGMLQuantizationType
 
 
 def _assert_same(path: str) -> None:
-    ours, ref = read_gguf_tensors(path), GGUFReader(path).tensors
+    reader = GGUFReader(path)
+    ours, ref = read_gguf_tensors(path), reader.tensors
     assert ours is not None and len(ours) == len(ref)
     for a, b in zip(ours, ref, strict=True):
         assert a.name == b.name and a.tensor_type == b.tensor_type
         assert list(a.shape) == [int(d) for d in b.shape], a.name
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
         assert np.array_equal(a.data, b.data), a.name
+    metadata = read_gguf_index(path, metadata=True).metadata
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # not the header's
+    assert list(metadata) == list(fields)
+    for key, field in fields.items():
+        if len(field.types) <= 2:  # contents() flattens an array of arrays
+            assert metadata[key] == field.contents(), key
 
 
 def test_tiny_files_in_every_format(tiny_llama, tmp_path) -> None:
@@ -48,6 +56,7 @@ def test_alignment_and_metadata_of_every_type(tmp_path) -> None:
     w.write_tensors_to_file()
     w.close()
     _assert_same(path)
+    assert read_gguf_index(path, metadata=True).metadata["nested"] == [[1, 2], [3]]
 
 
 def test_default_model() -> None:

@@ -109,14 +109,18 @@ def log_weight_formats(model: torch.nn.Module, source: str, kernels: CpuKernels 
     from collections import Counter
 
     from pagedllm.layers.linear import ParallelLinear
-    from pagedllm.models.quantized_linear import QuantizedLinear
+    from pagedllm.models.quantized_linear import ConcatLinear, QuantizedLinear
 
     kinds: Counter[str] = Counter()
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
             kinds[f"{m.format}{'' if m.kernels is not None else ' (reference)'}"] += 1
-        elif isinstance(m, ParallelLinear) and isinstance(m.local, torch.nn.Linear):
-            kinds[f"float {str(m.local.weight.dtype).removeprefix('torch.')}"] += 1
+        elif isinstance(m, (ParallelLinear, ConcatLinear)):
+            # a mixed-format projection's float parts (llama.cpp's Q4_K_M: Q5_0 q and k, dequantized,
+            # beside a Q8_0 v) are GEMMs of their own inside its ConcatLinear
+            for part in m.parts if isinstance(m, ConcatLinear) else [m.local]:
+                if isinstance(part, torch.nn.Linear):
+                    kinds[f"float {str(part.weight.dtype).removeprefix('torch.')}"] += 1
         elif type(m).__name__ == "PackedLinear":
             kinds["packed bf16"] += 1
     isa = "none" if kernels is None else kernels.compiled_isa()

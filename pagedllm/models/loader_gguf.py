@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from pagedllm.models.gguf_arch import GGUFArchitecture, gguf_architecture
+from pagedllm.models.gguf_tensors import GGUFIndex, read_gguf_index
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,20 @@ logger = logging.getLogger(__name__)
 CONVERTER_VERSION = 3
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _read_gguf(gguf_path: str) -> GGUFIndex:
+    """The file's tensors and metadata; gguf-py's GGUFReader only for what gguf_tensors leaves to
+    it (it takes ~15 s over a 262k-token vocabulary: gguf_tensors' docstring)."""
+    index = read_gguf_index(gguf_path, metadata=True)
+    if index is None:
+        reader = GGUFReader(gguf_path)
+        fields = {k: f.contents() for k, f in reader.fields.items()}
+        index = GGUFIndex(fields.get("general.architecture"), reader.tensors, fields)
+    return index
+
+
+def _meta(gguf_file: GGUFIndex, key: str, default: Any = None) -> Any:
     """Value of a GGUF metadata key as a plain Python value (str / int / float / list)."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return gguf_file.metadata.get(key, default)
 
 
 def _f32_to_float(x: float) -> float:
@@ -54,11 +65,11 @@ _FALLBACKS = {
 _OPTIONAL = frozenset({"sliding_window", "final_logit_softcapping"})
 
 
-def _metadata_config(reader: GGUFReader, gguf_arch: str, arch: GGUFArchitecture) -> dict[str, Any]:
+def _metadata_config(gguf_file: GGUFIndex, gguf_arch: str, arch: GGUFArchitecture) -> dict[str, Any]:
     """The config values ``arch.metadata`` names, read from the file's "{gguf_arch}." keys."""
     values: dict[str, Any] = {}
     for hf_key, gguf_key in arch.metadata.items():
-        v = _meta(reader, f"{gguf_arch}.{gguf_key}")
+        v = _meta(gguf_file, f"{gguf_arch}.{gguf_key}")
         if v is None:
             if hf_key in _FALLBACKS:
                 v = _FALLBACKS[hf_key](values)
@@ -70,11 +81,11 @@ def _metadata_config(reader: GGUFReader, gguf_arch: str, arch: GGUFArchitecture)
     return values
 
 
-def _longrope_scaling(reader: GGUFReader, gguf_arch: str, values: dict[str, Any]) -> dict[str, Any]:
+def _longrope_scaling(gguf_file: GGUFIndex, gguf_arch: str, values: dict[str, Any]) -> dict[str, Any]:
     """HF's longrope rope_scaling from what llama.cpp's Phi-3 converter wrote: the factors as the
     tensors rope_factors_short / _long, the original context in metadata."""
-    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
-    orig = _meta(reader, f"{gguf_arch}.rope.scaling.original_context_length")
+    factors = {t.name: t for t in gguf_file.tensors if t.name.startswith("rope_factors_")}
+    orig = _meta(gguf_file, f"{gguf_arch}.rope.scaling.original_context_length")
     if orig is None or set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
         raise ValueError("GGUF LongRoPE needs rope_factors_long, rope_factors_short and the original context length")
     scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig)}
@@ -83,7 +94,7 @@ def _longrope_scaling(reader: GGUFReader, gguf_arch: str, values: dict[str, Any]
         scaling[f"{kind}_factor"] = dequantize(t.data, t.tensor_type).astype(np.float32).ravel().tolist()
     # HF derives the attention factor from the two context lengths, as llama.cpp's converter did
     # when it wrote it; a file whose factor differs (a fine-tune's own) keeps it explicitly
-    attn = _meta(reader, f"{gguf_arch}.rope.scaling.attn_factor")
+    attn = _meta(gguf_file, f"{gguf_arch}.rope.scaling.attn_factor")
     ratio = values["max_position_embeddings"] / int(orig)
     derived = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(int(orig)))
     if attn is not None and not math.isclose(attn, derived, rel_tol=1e-6):
@@ -92,22 +103,22 @@ def _longrope_scaling(reader: GGUFReader, gguf_arch: str, values: dict[str, Any]
     return scaling
 
 
-def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) -> dict[str, Any]:
+def _build_config(gguf_file: GGUFIndex, gguf_arch: str, tensor_names: set[str]) -> dict[str, Any]:
     def m(key: str, default: Any = None) -> Any:
-        return _meta(reader, f"{gguf_arch}.{key}", default)
+        return _meta(gguf_file, f"{gguf_arch}.{key}", default)
 
     arch = gguf_architecture(gguf_arch)
-    values = _metadata_config(reader, gguf_arch, arch)
+    values = _metadata_config(gguf_file, gguf_arch, arch)
     vocab_size = m("vocab_size")
     if vocab_size is None:  # older GGUFs: vocab size is implied by the token list
-        vocab_size = len(_meta(reader, "tokenizer.ggml.tokens"))
+        vocab_size = len(_meta(gguf_file, "tokenizer.ggml.tokens"))
     special = {
-        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
+        "bos_token_id": _meta(gguf_file, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(gguf_file, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _meta(gguf_file, "tokenizer.ggml.padding_token_id"),
     }
     if not arch.llama_like:
-        return _gpt2_config(reader, arch, int(vocab_size), values, special, tensor_names)
+        return _gpt2_config(gguf_file, arch, int(vocab_size), values, special, tensor_names)
 
     rope_scaling = None
     scaling_type = m("rope.scaling.type")
@@ -122,7 +133,7 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
     elif scaling_type not in (None, "none"):
         raise ValueError(f"Unsupported GGUF rope scaling type {scaling_type!r}")
     if "rope_factors_long.weight" in tensor_names:
-        rope_scaling = _longrope_scaling(reader, gguf_arch, values)
+        rope_scaling = _longrope_scaling(gguf_file, gguf_arch, values)
     rope_dims = m("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != values["head_dim"]:  # Phi-4-mini: RoPE on part of a head
         values["partial_rotary_factor"] = int(rope_dims) / values["head_dim"]
@@ -162,7 +173,7 @@ def _build_config(reader: GGUFReader, gguf_arch: str, tensor_names: set[str]) ->
 
 
 def _gpt2_config(
-    reader: GGUFReader,
+    gguf_file: GGUFIndex,
     arch: GGUFArchitecture,
     vocab_size: int,
     values: dict[str, Any],
@@ -173,7 +184,7 @@ def _gpt2_config(
     the head is tied where the two hold the same values."""
     if values["n_inner"] == 4 * values["n_embd"]:  # GPT-2's own default, which its configs leave None
         values["n_inner"] = None
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in gguf_file.tensors}
     head, emb = by_name.get("output.weight"), by_name["token_embd.weight"]
     tied = head is None or (head.tensor_type == emb.tensor_type and np.array_equal(head.data, emb.data))
     return {
@@ -189,12 +200,12 @@ def _gpt2_config(
     }
 
 
-def _convert_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    arch = gguf_architecture(_meta(reader, "general.architecture"))
+def _convert_weights(gguf_file: GGUFIndex, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    arch = gguf_architecture(_meta(gguf_file, "general.architecture"))
     n_head = config.get("num_attention_heads")
     n_kv = config.get("num_key_value_heads")
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in gguf_file.tensors:
         if t.name in arch.config_tensors:  # read into config.json already
             continue
         if t.name == "output.weight" and config["tie_word_embeddings"]:  # a copy of token_embd
@@ -235,6 +246,18 @@ def _save_tokenizer(gguf_path: str, out_dir: str, chat_template: str | None) -> 
     _write_json(cfg_path, tok_cfg)
 
 
+# What a conversion writes besides its tokenizer files
+_NOT_TOKENIZER = frozenset({"config.json", "generation_config.json", "model.safetensors"})
+
+
+def _copy_tokenizer(src: str, out_dir: str) -> None:
+    """The tokenizer files of another finished conversion of the same file: transformers' GGUF
+    tokenizer conversion takes ~30 s over Gemma 3's 262k-token vocabulary on a small machine."""
+    for name in os.listdir(src):
+        if name not in _NOT_TOKENIZER:
+            shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
+
+
 def _make_readable(folder: str) -> None:
     # mkdtemp creates the folder 0700 (and safetensors writes 0600); give the cache entry the usual
     # permissions of a downloaded model. (Not umask-based: reading the umask is not thread-safe.)
@@ -249,11 +272,12 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def convert_gguf_to_hf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
+def convert_gguf_to_hf(gguf_path: str, out_dir: str, weights: bool = True, tokenizer_from: str | None = None) -> None:
     """Convert ``gguf_path`` into an HF folder at ``out_dir`` (the architecture gguf_arch names).
 
     Writes config.json, generation_config.json, model.safetensors (float32; only if ``weights``:
-    the native quantized path reads the weights from the GGUF itself) and tokenizer files.
+    the native quantized path reads the weights from the GGUF itself) and tokenizer files (copied
+    from ``tokenizer_from``, a finished conversion of the same file, where given).
     The folder appears atomically: everything is written to a temp dir next to ``out_dir`` and
     renamed at the end, so a crash never leaves a half-written cache entry. If ``out_dir`` already
     holds a finished conversion (e.g. a concurrent process won the race), it is kept.
@@ -263,26 +287,29 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, weights: bool = True) -> No
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
 
-    reader = GGUFReader(gguf_path)
-    arch = _meta(reader, "general.architecture")
+    gguf_file = _read_gguf(gguf_path)
+    arch = _meta(gguf_file, "general.architecture")
     gguf_architecture(arch, gguf_path)  # an unsupported family fails here, before any work
-    tensor_names = {t.name for t in reader.tensors}
-    config = _build_config(reader, arch, tensor_names)
-    chat_template = _meta(reader, "tokenizer.chat_template")
+    tensor_names = {t.name for t in gguf_file.tensors}
+    config = _build_config(gguf_file, arch, tensor_names)
+    chat_template = _meta(gguf_file, "tokenizer.chat_template")
 
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
         if weights:
             logger.info("Converting GGUF %s -> %s (one-time, dequantizing to float32)", gguf_path, out_dir)
             save_file(
-                _convert_weights(reader, config),
+                _convert_weights(gguf_file, config),
                 os.path.join(tmp, "model.safetensors"),
                 metadata={"format": "pt"},
             )
         _write_json(os.path.join(tmp, "config.json"), config)
         gen_cfg = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         _write_json(os.path.join(tmp, "generation_config.json"), gen_cfg)
-        _save_tokenizer(gguf_path, tmp, chat_template)
+        if tokenizer_from is not None:
+            _copy_tokenizer(tokenizer_from, tmp)
+        else:
+            _save_tokenizer(gguf_path, tmp, chat_template)
         _make_readable(tmp)
         try:
             os.rename(tmp, out_dir)

@@ -60,11 +60,13 @@ def _converted_gguf(gguf_path: str, cache_dir: str | None, weights: bool = True)
     # Cheap identity of the file (no hashing of ~100 MB+): name, size and mtime, plus the converter
     # version so a format change invalidates old entries.
     key = hashlib.sha256(f"{name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}".encode()).hexdigest()
-    suffix = "" if weights else "-meta"
-    out_dir = os.path.join(_cache_root(cache_dir), f"{os.path.splitext(name)[0]}-{key[:16]}{suffix}")
+    stem = os.path.join(_cache_root(cache_dir), f"{os.path.splitext(name)[0]}-{key[:16]}")
+    out_dir, other = (stem, stem + "-meta") if weights else (stem + "-meta", stem)
     # config.json is only present once the atomic rename in convert_gguf_to_hf has happened.
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
-        convert_gguf_to_hf(gguf_path, out_dir, weights=weights)
+        # the file's other folder (with or without weights) already holds its tokenizer
+        done = os.path.isfile(os.path.join(other, "config.json"))
+        convert_gguf_to_hf(gguf_path, out_dir, weights=weights, tokenizer_from=other if done else None)
     return out_dir
 
 
