@@ -133,9 +133,10 @@ def build_app(
 
     install_error_handlers(app)
 
-    async def engine_stats() -> dict:
+    async def engine_stats(snapshot: bool = False) -> dict:
+        """The engine's stats; ``snapshot``: as it last published them (no query, see get_stats_snapshot)."""
         try:
-            return await engine.get_stats()
+            return await (engine.get_stats_snapshot() if snapshot else engine.get_stats())
         except EngineDeadError as e:
             raise APIError("The engine is not running.", 503) from e
 
@@ -183,12 +184,8 @@ def build_app(
         },
     )
     async def prometheus_metrics() -> Response:
-        stats = await engine_stats()
-        if "replicas" in stats:  # data parallel: one series per replica
-            metrics.update_replica_stats(stats["replicas"])
-        else:
-            metrics.update_engine_stats(stats)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        stats = await engine_stats(snapshot=True)  # a scrape never waits on the engine thread
+        return Response(metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=AUTH_ERRORS)
     async def models() -> dict:
