@@ -268,6 +268,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_stop_string_chars=args.max_stop_string_chars,
         max_stop_token_ids=args.max_stop_token_ids,
         max_messages=args.max_messages,
+        max_logit_bias=args.max_logit_bias,
         max_request_tokens=args.max_request_tokens,
     )
     app = build_app(

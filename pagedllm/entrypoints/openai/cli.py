@@ -100,6 +100,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         ("max_stop_string_chars", "length of one stop string"),
         ("max_stop_token_ids", "stop token ids"),
         ("max_messages", "chat messages"),
+        ("max_logit_bias", "logit_bias entries"),
     ):
         default = getattr(d, field)
         limits.add_argument(

@@ -23,5 +23,6 @@ class ServerLimits:
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
     max_messages: int = 2048
+    max_logit_bias: int = 300  # entries; OpenAI's cap
     # prompt tokens + sequences x max_tokens, summed over the prompts; None: the KV cache's capacity
     max_request_tokens: int | None = None

@@ -107,6 +107,7 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         plan, constraint = self._constraint(req)
+        self.check_control_sizes(req)
         params = to_sampling_params(
             req,
             max_tokens,

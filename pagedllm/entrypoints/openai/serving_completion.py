@@ -44,6 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         prompts = _split_prompts(req.prompt)
+        self.check_control_sizes(req)
         # echo with logprobs: the prompt's tokens lead the logprobs too (OpenAI's legacy API).
         prompt_k = req.prompt_logprobs
         if req.echo and req.logprobs is not None:

@@ -119,6 +119,22 @@ class OpenAIServing:
                 param="stop_token_ids",
             )
 
+    def check_control_sizes(self, req: _SamplingRequest) -> None:
+        """Caps on token-control lists, checked before they are copied or turned into tensors: more
+        allowed_token_ids than the vocabulary repeat ids, logit_bias at OpenAI's 300 entries
+        (ServerLimits.max_logit_bias)."""
+        if req.allowed_token_ids is not None and len(req.allowed_token_ids) > self.vocab_size:
+            raise APIError(
+                f"allowed_token_ids has {len(req.allowed_token_ids)} ids; at most the vocabulary's "
+                f"{self.vocab_size} are allowed.",
+                param="allowed_token_ids",
+            )
+        if req.logit_bias is not None and len(req.logit_bias) > self.limits.max_logit_bias:
+            raise APIError(
+                f"logit_bias has {len(req.logit_bias)} entries; at most {self.limits.max_logit_bias} are allowed.",
+                param="logit_bias",
+            )
+
     def check_request_tokens(self, prompts: list[dict], params: SamplingParams) -> None:
         """Caps the KV tokens one request may hold at once: prompts + every sequence's completion."""
         per_prompt = max(params.n, params.best_of or 1)
