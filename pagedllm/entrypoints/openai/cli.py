@@ -101,6 +101,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         ("max_stop_token_ids", "stop token ids"),
         ("max_messages", "chat messages"),
         ("max_logit_bias", "logit_bias entries"),
+        ("max_chars_per_token", "characters of prompt text per token it may fit, checked before tokenizing"),
     ):
         default = getattr(d, field)
         limits.add_argument(

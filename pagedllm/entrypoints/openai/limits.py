@@ -24,5 +24,8 @@ class ServerLimits:
     max_stop_token_ids: int = 1024
     max_messages: int = 2048
     max_logit_bias: int = 300  # entries; OpenAI's cap
+    # Characters a prompt's text may hold per token it could fit (of the context, and of
+    # max_request_tokens over a request's prompts), checked before tokenizing: see serving_engine.py
+    max_chars_per_token: int = 16
     # prompt tokens + sequences x max_tokens, summed over the prompts; None: the KV cache's capacity
     max_request_tokens: int | None = None

@@ -54,6 +54,13 @@ _RESERVED_TEMPLATE_KWARGS = {
 }
 
 
+def _text_len(m: ChatMessage) -> int:
+    """Characters of a message's text (of its parts), to measure before rendering."""
+    if isinstance(m.content, list):
+        return sum(len(p.text or "") for p in m.content)
+    return len(m.content or "")
+
+
 def _message_dict(m: ChatMessage) -> dict:
     """A message as chat templates expect it: content as one string (text parts joined)."""
     d = m.model_dump(exclude_none=True)
@@ -117,6 +124,7 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=constraint,
         )
         self.check_limits(req, 1)
+        self.check_prompt_chars([sum(_text_len(m) for m in req.messages)], "messages")  # before rendering
         prompt = await self.in_tokenizer_thread(
             self.render,
             req.messages,

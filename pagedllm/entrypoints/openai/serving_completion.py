@@ -56,6 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
             req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, structured_outputs_of(req)
         )
         self.check_limits(req, len(prompts), req.best_of)
+        self.check_prompt_chars([len(p) for p in prompts if isinstance(p, str)])  # before tokenizing them
         engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo), params)
         self.check_request_tokens(engine_prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
