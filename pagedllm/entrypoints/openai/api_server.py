@@ -274,6 +274,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_messages=args.max_messages,
         max_logit_bias=args.max_logit_bias,
         max_chars_per_token=args.max_chars_per_token,
+        max_prompt_response_bytes=args.max_prompt_response_bytes,
         max_request_tokens=args.max_request_tokens,
     )
     app = build_app(

@@ -16,6 +16,7 @@ from pagedllm.engine.intake import truncate_prompt
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
 from pagedllm.entrypoints.openai.sampling import to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.streaming import (
@@ -136,6 +137,10 @@ class OpenAIServingChat(OpenAIServing):
         # The engine would slice the same; here too, so the streamed usage counts what runs.
         prompt["prompt_token_ids"] = truncate_prompt(prompt["prompt_token_ids"], params, self.max_model_len)
         self.check_request_tokens([prompt], params)
+        if req.prompt_logprobs is not None:
+            n_prompt = len(prompt["prompt_token_ids"])
+            shape = PromptResponse([n_prompt], [0], params.n, prompt_top=self.num_top(req.prompt_logprobs))
+            check_prompt_response(shape, self.limits.max_prompt_response_bytes)
         streams = await self.add_requests(request_id, [prompt], params, arrival)
         if req.stream:
             return AbortOnCloseStreamingResponse(
@@ -171,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
         }
         if req.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
-        return JSONResponse(body)
+        return await self.json_response(lambda: body)  # encoded off the event loop
 
     def render(
         self,

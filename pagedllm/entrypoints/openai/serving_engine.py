@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from pagedllm.engine.client import EngineClient, OutputStream
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
@@ -30,6 +33,21 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.server")
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+_DECODE_LOCK = threading.Lock()  # see token_str
+
+
+def json_bytes(body: dict) -> bytes:
+    """``body`` as FastAPI's JSONResponse encodes it, one item of its lists (choices) at a time:
+    the C encoder holds the GIL for a whole call, and the event loop runs between the calls."""
+
+    def dumps(v: Any) -> str:
+        return json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    fields = []
+    for k, v in body.items():
+        value = "[" + ",".join(map(dumps, v)) + "]" if isinstance(v, list) else dumps(v)
+        fields.append(f"{dumps(k)}:{value}")
+    return ("{" + ",".join(fields) + "}").encode("utf-8")
 
 
 class OpenAIServing:
@@ -191,7 +209,15 @@ class OpenAIServing:
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server, lives as long
     def token_str(self, token_id: int) -> str:
-        return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
+        # Responses are built in worker threads too (json_response): one decode at a time, as the
+        # decode tokenizer may not be thread-safe. Only cache misses take the lock.
+        with _DECODE_LOCK:
+            return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def json_response(self, build: Callable[..., dict], *args: Any) -> Response:
+        """``build(*args)`` as a JSON response, built and encoded in a worker thread: a response
+        with logprobs can hold megabytes, which on the event loop would stall every other request."""
+        return Response(await asyncio.to_thread(lambda: json_bytes(build(*args))), media_type="application/json")
 
     async def add_requests(
         self, request_id: str, prompts: list[dict], params: SamplingParams, arrival_time: float
