@@ -81,6 +81,9 @@ class SamplingParams:
     logprob_temperature: float = field(default=1.0, repr=False, compare=False)
     # Filled by the engine from bad_words and its tokenizer: the token sequences to ban.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # Filled by the engine as it admits the request: allowed_token_ids and logit_bias as tensors
+    # (pagedllm.token_controls.TokenMasks), built once and shared by the request's sequences.
+    token_masks: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -212,6 +215,7 @@ class SamplingParams:
         c.stop = list(self.stop)
         c.stop_token_ids = list(self.stop_token_ids)
         c.all_stop_token_ids = set(self.all_stop_token_ids)
+        c.token_masks = None  # built from the fields, which the copy's owner may change
         if self.logit_bias is not None:
             c.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:

@@ -187,6 +187,30 @@ def test_idle_engine_sleeps(engine):
     assert engine.is_running
 
 
+def test_stats_snapshot_is_published_not_queried(engine, monkeypatch):
+    """/metrics reads get_stats_snapshot: no call of it runs anything on the engine thread, which
+    publishes at most once a second while it steps, and the last step's stats as it goes idle."""
+    assert_free(engine)
+    calls = []
+    real = engine.engine.get_stats
+    monkeypatch.setattr(engine.engine, "get_stats", lambda: calls.append(1) or real())
+    before = asyncio.run(engine.get_stats_snapshot())
+    t0 = time.monotonic()
+    asyncio.run(run_one(engine, "snap", [3, 4, 5], 60))
+    elapsed = time.monotonic() - t0
+    published = len(calls)
+    assert 1 <= published <= 2 + elapsed  # 60 steps, one forced publication at the end
+
+    async def scrape() -> list[dict]:
+        return [await engine.get_stats_snapshot() for _ in range(300)]
+
+    snaps = asyncio.run(scrape())
+    assert len(calls) == published
+    # current, although the 300 reads came right after the request's last output
+    assert snaps[-1]["generation_tokens"] == before["generation_tokens"] + 60
+    assert snaps[-1]["num_requests_running"] == 0 and snaps[-1]["num_free_kv_blocks"] == snaps[-1]["num_kv_blocks"]
+
+
 def test_shutdown_fails_pending_streams(tiny_llama):
     eng = AsyncLLMEngine.from_config(config(tiny_llama))
     eng.start()
@@ -200,6 +224,8 @@ def test_shutdown_fails_pending_streams(tiny_llama):
                 pass
         with pytest.raises(EngineDeadError):
             await eng.add_request("y", {"prompt_token_ids": [3]}, SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError):  # /metrics answers 503 as /stats does
+            await eng.get_stats_snapshot()
 
     asyncio.run(go())
     assert not eng.is_running

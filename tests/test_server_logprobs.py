@@ -172,6 +172,36 @@ def test_prompt_logprobs_completions_and_minus_one(client, prompts, refs, tokeni
     assert all(len(d) == 512 for d in plp[1:])
 
 
+def test_prompt_logprobs_once_per_prompt(client, prompts):
+    """The n choices of a prompt share it: its prompt_logprobs come once, on its first choice
+    (index i * n), the others' are null; streamed, on that choice's first chunk."""
+    kw = dict(model=MODEL, prompt=[prompts[0][:10], prompts[2][:7]], n=3, max_tokens=2, temperature=0)
+    out = client.completions.create(**kw, extra_body={"prompt_logprobs": 1})
+    plps = [c.model_extra["prompt_logprobs"] for c in out.choices]
+    assert [p is not None for p in plps] == [True, False, False, True, False, False]
+    assert len(plps[0]) == 10 and len(plps[3]) == 7
+    first: dict[int, list | None] = {}
+    for chunk in client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1}):
+        for c in chunk.choices:
+            first.setdefault(c.index, c.model_extra.get("prompt_logprobs"))
+    assert first == dict(enumerate(plps))
+
+
+def test_prompt_response_budget_names_the_costliest_field(http):
+    """What a response repeats of its prompts is estimated before it runs: over 4 MiB is a 400
+    naming the field (echo's logprobs in each of n choices, or prompt_logprobs of every token)."""
+    ids = list(range(3, 403))
+    echo = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 5, "max_tokens": 0}
+    r = http.post("/v1/completions", json={**echo, "n": 64})  # 64 x 400 positions x 6 entries: ~6 MiB
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert http.post("/v1/completions", json={**echo, "n": 2}).status_code == 200
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    messages = [{"role": "user", "content": "fox " * 300}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "prompt_logprobs": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
 def test_chat_prompt_logprobs_on_the_response(http, refs, tokenizer, tiny_llama):
     messages = [{"role": "user", "content": "Name a block table."}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_sampling import make_req, rand_logits
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, token_controls
 from pagedllm.sampler import Sampler
 from pagedllm.token_controls import _banned_last_tokens, bad_words_token_ids
 from pagedllm.tokenizer import IncrementalDetokenizer
@@ -118,6 +118,21 @@ def test_engine_logit_bias_and_allowed_token_ids(llm):
         use_tqdm=False,
     )[0]
     assert set(out.outputs[0].token_ids) <= {3, 50, 400}
+
+
+def test_engine_builds_the_masks_once_at_admission(llm, monkeypatch):
+    """allowed_token_ids and logit_bias become tensors when the request is added, once for all of
+    its n sequences, not per row per step; the sampled tokens obey them."""
+    built = []
+    real = token_controls.TokenMasks
+    monkeypatch.setattr(token_controls, "TokenMasks", lambda *a: built.append(a) or real(*a))
+    allowed = list(range(100, 512)) + list(range(3, 100))  # all but 0-2, in no particular order
+    sp = SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed, logit_bias={7: 100.0}
+    )
+    (out,) = llm.generate(PROMPT, sp, use_tqdm=False)
+    assert len(built) == 1 and sp.token_masks is None  # the engine's copy was built, not the caller's
+    assert [c.token_ids for c in out.outputs] == [[7] * 20] * 4
 
 
 def test_engine_bad_words_against_the_plain_output(llm):

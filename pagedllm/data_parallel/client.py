@@ -314,8 +314,16 @@ class DataParallelClient:
     async def get_stats(self) -> dict:
         """Each replica's stats (with its router counters) under ``replicas``, and the sums of the
         counters that add up over replicas at the top level."""
+        return await self._gather_stats("get_stats")
+
+    async def get_stats_snapshot(self) -> dict:
+        """get_stats() from each replica's last published snapshot: no replica's engine thread is
+        queried (AsyncLLMEngine.get_stats_snapshot)."""
+        return await self._gather_stats("get_stats_snapshot")
+
+    async def _gather_stats(self, method: str) -> dict:
         replicas: list[dict] = []
-        answers = dict(await self._each_replica("get_stats"))
+        answers = dict(await self._each_replica(method))
         for r in range(self.size):
             answer = answers.get(r)
             alive = self.router.alive[r] and isinstance(answer, dict)

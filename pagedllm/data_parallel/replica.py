@@ -86,6 +86,9 @@ class EngineReplica:
     async def get_stats(self) -> dict:
         return {**await self.engine.get_stats(), "pid": os.getpid()}
 
+    async def get_stats_snapshot(self) -> dict:
+        return {**await self.engine.get_stats_snapshot(), "pid": os.getpid()}
+
     async def get_kv_blocks(self) -> dict:
         return await self.engine.get_kv_blocks()
 

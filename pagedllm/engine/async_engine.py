@@ -13,6 +13,12 @@ Outputs go back to each request's own RequestStream (request_stream.py) through
 When no request is unfinished the thread sleeps on a threading.Event that every command sets:
 no busy polling.
 
+Stats for /metrics are pushed, not queried: the engine thread publishes a snapshot of get_stats()
+at most once per ``STATS_INTERVAL_S`` while it steps, and after every step that leaves it idle
+(before that step's outputs are delivered, so a client that got its response scrapes the counters
+that include it). A scrape reads the latest snapshot and never waits on, or wakes, the engine
+thread: a flood of scrapes cannot slow the steps.
+
 Fault containment: a step that raises is retried on subsets of the requests it scheduled
 (bisection, ``LLMEngine.step(only_requests=...)``; the others keep their blocks and wait) until
 one request is found that fails alone. That request alone is failed (its stream raises
@@ -32,6 +38,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +54,8 @@ logger = logging.getLogger("pagedllm.async_engine")
 # Called in the engine thread for every output of every step: (output, time of this request's
 # previous token or None if this is its first). Used for latency histograms; must be cheap.
 OutputHook = Callable[[RequestOutput, float | None], None]
+# How stale the /metrics snapshot may get while the engine steps (Prometheus scrapes every 15 s or so).
+STATS_INTERVAL_S = 1.0
 
 
 class AsyncLLMEngine:
@@ -63,6 +72,8 @@ class AsyncLLMEngine:
         self._last_token_time: dict[str, float] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._stats: dict = {}  # the latest snapshot of engine.get_stats() (a new dict each time)
+        self._stats_time = float("-inf")  # time.monotonic() of that snapshot
         self.num_step_errors = 0  # steps that raised, retries included
         self.consecutive_step_failures = 0  # failed (non-retry) steps since the last good step
         self.max_step_failures = 3
@@ -145,6 +156,17 @@ class AsyncLLMEngine:
             "consecutive_step_failures": self.consecutive_step_failures,
         }
 
+    async def get_stats_snapshot(self) -> dict:
+        """get_stats() as the engine thread last published it (see the module docstring): at most
+        STATS_INTERVAL_S old while requests run, current while the engine is idle. No query."""
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        return {
+            **self._stats,
+            "num_step_errors": self.num_step_errors,
+            "consecutive_step_failures": self.consecutive_step_failures,
+        }
+
     async def get_kv_blocks(self, replica: int | None = None) -> dict:
         """LLMEngine.get_kv_blocks(), taken by the engine thread between steps (a consistent snapshot).
 
@@ -194,10 +216,13 @@ class AsyncLLMEngine:
             except RuntimeError:
                 pass
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
+        """Runs the queued commands; True if one was an add or abort (the stats may have changed)."""
+        changed = False
         while self._commands:
             cmd = self._commands.popleft()
             kind = cmd[0]
+            changed |= kind != "query"
             if kind == "add":
                 _, stream, prompt, params, arrival_time, fut = cmd
                 try:
@@ -222,6 +247,7 @@ class AsyncLLMEngine:
                     self._resolve(cmd[1], cmd[2]())
                 except Exception as e:
                     self._resolve(cmd[1], error=e)
+        return changed
 
     def _step(self) -> bool:
         """One engine step, outputs delivered; False if the step raised (see _contain)."""
@@ -231,10 +257,24 @@ class AsyncLLMEngine:
             self.num_step_errors += 1
             self.consecutive_step_failures += 1
             self._contain(e)
+            self._publish_stats(force=not self.engine.has_unfinished_requests())
             return False
         self.consecutive_step_failures = 0
+        self._publish_stats(force=not self.engine.has_unfinished_requests())
         self._deliver_outputs(outputs)
         return True
+
+    def _publish_stats(self, force: bool) -> None:
+        """A new get_stats() snapshot for /metrics when forced (the engine is going idle) or the
+        last one is STATS_INTERVAL_S old. A failure is logged: metrics must never break serving."""
+        now = time.monotonic()
+        if not force and now - self._stats_time < STATS_INTERVAL_S:
+            return
+        try:
+            self._stats = self.engine.get_stats()
+        except Exception:
+            logger.exception("engine stats failed")
+        self._stats_time = now
 
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         items = []
@@ -314,12 +354,15 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
+            self._publish_stats(force=True)
             while not self._stop:
                 self._wake.clear()  # before draining: a command queued after this wakes the wait below
-                self._drain_commands()
+                changed = self._drain_commands()
                 if self._stop:
                     break
                 if not self.engine.has_unfinished_requests():
+                    if changed:  # an add or abort the engine took without a step since
+                        self._publish_stats(force=True)
                     self._wake.wait()
                     continue
                 if not self._step():

@@ -124,6 +124,11 @@ class EngineClient(Protocol):
         """What /stats shows; with data parallelism a ``replicas`` list of each replica's."""
         ...
 
+    async def get_stats_snapshot(self) -> dict:
+        """get_stats() as the engine last published it (at most a second old while it steps):
+        what /metrics shows, so that scrapes never query the engine thread."""
+        ...
+
     async def get_kv_blocks(self, replica: int | None = None) -> dict:
         """The KV cache's blocks (of one replica: ``replica``, by default the first)."""
         ...

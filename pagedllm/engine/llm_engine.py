@@ -23,7 +23,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.token_controls import bad_words_token_ids, check_token_controls
+from pagedllm.token_controls import bad_words_token_ids, check_token_controls, prepare_token_controls
 from pagedllm.tokenizer import TokenTexts
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -92,6 +92,8 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         check_logprobs(params, self.vocab_size, self.config.max_logprobs)
         check_token_controls(params, self.vocab_size)
+        if params.logit_bias or params.allowed_token_ids is not None:
+            prepare_token_controls(params, self.vocab_size)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         text, ids = self._prompt(prompt, params)

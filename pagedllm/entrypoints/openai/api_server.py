@@ -67,6 +67,7 @@ from pagedllm.tokenizer import load_tokenizer, shareable_across_threads
 
 logger = logging.getLogger("pagedllm.server")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+TOKENIZER_THREADS = 4
 
 
 def build_app(
@@ -96,18 +97,21 @@ def build_app(
     if engine.output_hook is None:  # latencies and token counts per output (run_server sets it first)
         engine.output_hook = metrics.observe_output
     tok_path = facts.tokenizer_path
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
     # One tokenizer for the engine thread, the tokenizer pool and the event loop where that is safe
     # (each instance holds ~10 MB); else the pool and the event loop get their own.
     tok = engine.tokenizer
     if tok is None:
         raise ValueError("The server needs the tokenizer: skip_tokenizer_init is for the offline LLM only.")
-    if shareable_across_threads(tok):
+    if shareable := shareable_across_threads(tok):
         encode_tok = decode_tok = tok
     else:
         encode_tok, decode_tok = load_tokenizer(tok_path), load_tokenizer(tok_path)
         # the engine argument chat_template replaced the engine tokenizer's: the same here
         encode_tok.chat_template = decode_tok.chat_template = tok.chat_template
+    # A few threads, so that a short prompt need not queue behind a long one (a tokenizer that
+    # threads may not share gets one); text that cannot fit is refused before it gets here.
+    workers = TOKENIZER_THREADS if shareable else 1
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedllm-tokenizer")
     serving_args = (engine, served_model_names, encode_tok, decode_tok, pool, limits)
     completions = OpenAIServingCompletion(*serving_args)
     chat = OpenAIServingChat(*serving_args)
@@ -133,9 +137,10 @@ def build_app(
 
     install_error_handlers(app)
 
-    async def engine_stats() -> dict:
+    async def engine_stats(snapshot: bool = False) -> dict:
+        """The engine's stats; ``snapshot``: as it last published them (no query, see get_stats_snapshot)."""
         try:
-            return await engine.get_stats()
+            return await (engine.get_stats_snapshot() if snapshot else engine.get_stats())
         except EngineDeadError as e:
             raise APIError("The engine is not running.", 503) from e
 
@@ -183,12 +188,8 @@ def build_app(
         },
     )
     async def prometheus_metrics() -> Response:
-        stats = await engine_stats()
-        if "replicas" in stats:  # data parallel: one series per replica
-            metrics.update_replica_stats(stats["replicas"])
-        else:
-            metrics.update_engine_stats(stats)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        stats = await engine_stats(snapshot=True)  # a scrape never waits on the engine thread
+        return Response(metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=AUTH_ERRORS)
     async def models() -> dict:
@@ -271,6 +272,9 @@ def run_server(args: argparse.Namespace) -> int:
         max_stop_string_chars=args.max_stop_string_chars,
         max_stop_token_ids=args.max_stop_token_ids,
         max_messages=args.max_messages,
+        max_logit_bias=args.max_logit_bias,
+        max_chars_per_token=args.max_chars_per_token,
+        max_prompt_response_bytes=args.max_prompt_response_bytes,
         max_request_tokens=args.max_request_tokens,
     )
     app = build_app(

@@ -100,6 +100,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         ("max_stop_string_chars", "length of one stop string"),
         ("max_stop_token_ids", "stop token ids"),
         ("max_messages", "chat messages"),
+        ("max_logit_bias", "logit_bias entries"),
+        ("max_chars_per_token", "characters of prompt text per token it may fit, checked before tokenizing"),
+        ("max_prompt_response_bytes", "estimated bytes of echoed prompts and prompt_logprobs in a response"),
     ):
         default = getattr(d, field)
         limits.add_argument(

@@ -23,5 +23,12 @@ class ServerLimits:
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
     max_messages: int = 2048
+    max_logit_bias: int = 300  # entries; OpenAI's cap
+    # Characters a prompt's text may hold per token it could fit (of the context, and of
+    # max_request_tokens over a request's prompts), checked before tokenizing: see serving_engine.py
+    max_chars_per_token: int = 16
+    # Estimated bytes of a response's prompt-derived part (echo in every choice, prompt_logprobs):
+    # see response_budget.py
+    max_prompt_response_bytes: int = 4 * 2**20
     # prompt tokens + sequences x max_tokens, summed over the prompts; None: the KV cache's capacity
     max_request_tokens: int | None = None

@@ -26,6 +26,8 @@ from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger("pagedllm.server")
 MAX_JSON_DEPTH = 32  # deeper nesting than any real request has (chat_template_kwargs is free-form)
+# JSON values that hold no string (exact types: a str subclass must still be checked)
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 class OpenAIBaseModel(BaseModel):
@@ -61,8 +63,8 @@ def check_json_value(value: Any) -> None:
                     top = field if field is not None else (k if isinstance(k, str) else None)
                     stack.append((k, depth + 1, top))
                     stack.append((x, depth + 1, top))
-            else:
-                # Only what can hold a string or nest: a long token-id prompt costs one pass in C.
+            elif not _SCALARS.issuperset(map(type, v)):  # a list of numbers (token ids): one pass in C
+                # Only what can hold a string or nest.
                 stack.extend((x, depth + 1, field) for x in v if isinstance(x, (str, list, dict)))
 
 

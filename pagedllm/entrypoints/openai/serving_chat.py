@@ -16,6 +16,7 @@ from pagedllm.engine.intake import truncate_prompt
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
 from pagedllm.entrypoints.openai.sampling import to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.streaming import (
@@ -52,6 +53,13 @@ _RESERVED_TEMPLATE_KWARGS = {
     "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 }
+
+
+def _text_len(m: ChatMessage) -> int:
+    """Characters of a message's text (of its parts), to measure before rendering."""
+    if isinstance(m.content, list):
+        return sum(len(p.text or "") for p in m.content)
+    return len(m.content or "")
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -107,6 +115,7 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         plan, constraint = self._constraint(req)
+        self.check_control_sizes(req)
         params = to_sampling_params(
             req,
             max_tokens,
@@ -116,6 +125,7 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=constraint,
         )
         self.check_limits(req, 1)
+        self.check_prompt_chars([sum(_text_len(m) for m in req.messages)], "messages")  # before rendering
         prompt = await self.in_tokenizer_thread(
             self.render,
             req.messages,
@@ -127,6 +137,10 @@ class OpenAIServingChat(OpenAIServing):
         # The engine would slice the same; here too, so the streamed usage counts what runs.
         prompt["prompt_token_ids"] = truncate_prompt(prompt["prompt_token_ids"], params, self.max_model_len)
         self.check_request_tokens([prompt], params)
+        if req.prompt_logprobs is not None:
+            n_prompt = len(prompt["prompt_token_ids"])
+            shape = PromptResponse([n_prompt], [0], params.n, prompt_top=self.num_top(req.prompt_logprobs))
+            check_prompt_response(shape, self.limits.max_prompt_response_bytes)
         streams = await self.add_requests(request_id, [prompt], params, arrival)
         if req.stream:
             return AbortOnCloseStreamingResponse(
@@ -162,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
         }
         if req.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
-        return JSONResponse(body)
+        return await self.json_response(lambda: body)  # encoded off the event loop
 
     def render(
         self,

@@ -21,6 +21,7 @@ from pagedllm.engine.intake import truncate_prompt
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
 from pagedllm.entrypoints.openai.sampling import to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.entrypoints.openai.streaming import (
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai.streaming import (
 )
 from pagedllm.entrypoints.openai.structured import structured_outputs_of
 from pagedllm.logprobs import Logprob
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -44,6 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         prompts = _split_prompts(req.prompt)
+        self.check_control_sizes(req)
         # echo with logprobs: the prompt's tokens lead the logprobs too (OpenAI's legacy API).
         prompt_k = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
@@ -55,12 +58,14 @@ class OpenAIServingCompletion(OpenAIServing):
             req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, structured_outputs_of(req)
         )
         self.check_limits(req, len(prompts), req.best_of)
+        self.check_prompt_chars([len(p) for p in prompts if isinstance(p, str)])  # before tokenizing them
         engine_prompts = await self.in_tokenizer_thread(self._prepare_prompts, prompts, bool(req.echo), params)
         self.check_request_tokens(engine_prompts, params)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.add_requests(request_id, engine_prompts, params, arrival)
         n = params.n
         top = self.num_top(req.logprobs)
+        self._check_prompt_response(req, engine_prompts, n, top)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.add_requests(request_id, engine_prompts, params, arrival)
         if req.stream:
             gen = self._stream(req, request_id, model, streams, engine_prompts, n, top)
             return AbortOnCloseStreamingResponse(gen, streams)
@@ -68,9 +73,35 @@ class OpenAIServingCompletion(OpenAIServing):
             finals = await self.collect(streams, raw_request)
         except ClientDisconnected:
             return JSONResponse(APIError("Client disconnected.", 499).to_dict(), status_code=499)
+        # Built and encoded in a worker thread: a response with logprobs can run to megabytes.
+        return await self.json_response(self._response, req, request_id, model, finals, engine_prompts, n, top)
+
+    def _check_prompt_response(self, req: CompletionRequest, prompts: list[dict], n: int, top: int) -> None:
+        echo = bool(req.echo)
+        shape = PromptResponse(
+            prompt_lens=[len(p["prompt_token_ids"]) for p in prompts],
+            prompt_chars=[len(p.get("prompt", "")) if echo else 0 for p in prompts],
+            choices_per_prompt=n,
+            echo_top=top if echo and req.logprobs is not None else None,
+            prompt_top=None if req.prompt_logprobs is None else self.num_top(req.prompt_logprobs),
+        )
+        check_prompt_response(shape, self.limits.max_prompt_response_bytes)
+
+    def _response(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        model: str,
+        finals: list[RequestOutput],
+        engine_prompts: list[dict],
+        n: int,
+        top: int,
+    ) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
+            want_lp = req.logprobs is not None
+            head = self._echo_logprobs(out, top) if req.echo and want_lp else None  # once per prompt
             # The engine's order: sequence order, or best first when best_of > n (whose indices
             # are then sequence ids, not 0..n-1): OpenAI numbers the n choices of a prompt 0..n-1.
             for rank, c in enumerate(out.outputs):
@@ -80,8 +111,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(shown_ids)
                 text = (engine_prompts[i]["prompt"] + shown_text) if req.echo else shown_text
                 logprobs = None
-                if req.logprobs is not None and shown_lps is not None:
-                    head = self._echo_logprobs(out, top) if req.echo else None
+                if want_lp and shown_lps is not None:
                     offset = head["text_offset_end"] if head else 0
                     logprobs = _join(head, self._logprobs(shown_ids, shown_lps, top, offset))
                 choice = {
@@ -92,19 +122,20 @@ class OpenAIServingCompletion(OpenAIServing):
                     "stop_reason": c.stop_reason,
                 }
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
+                    # Once per prompt, on its first choice: every choice shares the prompt.
+                    choice["prompt_logprobs"] = (
+                        self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs)) if rank == 0 else None
+                    )
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": choices,
-                "usage": self.usage(prompt_tokens, completion_tokens),
-            }
-        )
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(prompt_tokens, completion_tokens),
+        }
 
     @staticmethod
     def _echo_only(req: CompletionRequest) -> bool:
@@ -169,6 +200,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens: dict[int, int] = {}
         usage_null = {"usage": None} if req.include_usage else {}
         echo_only = self._echo_only(req)
+        heads: dict[int, dict] = {}  # prompt -> its echoed logprobs
 
         chunk = chunk_writer(request_id, "text_completion", created, model)
 
@@ -186,8 +218,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     head = None
                     if req.echo and not st.started:
                         delta = prompts[i].get("prompt", "") + delta
-                        if req.logprobs is not None:
-                            head = self._echo_logprobs(out, top)
+                        if req.logprobs is not None:  # built once per prompt, shared by its choices
+                            head = heads[i] if i in heads else heads.setdefault(i, self._echo_logprobs(out, top))
                             st.text_offset = head["text_offset_end"]
                     finish = c.finish_reason
                     want_lp = req.logprobs is not None and c.logprobs is not None and (new_ids or head)
@@ -209,7 +241,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         "stop_reason": c.stop_reason if finish else None,
                     }
                     if req.prompt_logprobs is not None and not st.sent_prompt_logprobs:
-                        choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
+                        # Once per prompt, on its first choice (the others' first chunks: null).
+                        choice["prompt_logprobs"] = (
+                            self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs)) if c.index == 0 else None
+                        )
                         st.sent_prompt_logprobs = True
                     if finish is not None:
                         st.finished = True

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from pagedllm.engine.client import EngineClient, OutputStream
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
@@ -30,6 +33,21 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.server")
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+_DECODE_LOCK = threading.Lock()  # see token_str
+
+
+def json_bytes(body: dict) -> bytes:
+    """``body`` as FastAPI's JSONResponse encodes it, one item of its lists (choices) at a time:
+    the C encoder holds the GIL for a whole call, and the event loop runs between the calls."""
+
+    def dumps(v: Any) -> str:
+        return json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    fields = []
+    for k, v in body.items():
+        value = "[" + ",".join(map(dumps, v)) + "]" if isinstance(v, list) else dumps(v)
+        fields.append(f"{dumps(k)}:{value}")
+    return ("{" + ",".join(fields) + "}").encode("utf-8")
 
 
 class OpenAIServing:
@@ -44,9 +62,10 @@ class OpenAIServing:
         tokenizer_pool: ThreadPoolExecutor,
         limits: ServerLimits | None = None,
     ) -> None:
-        # `tokenizer` runs on the one-thread pool, `decode_tokenizer` decodes logprob tokens on the
-        # event loop, the engine thread decodes with the engine's: the same instance only where
-        # that is thread-safe (pagedllm.tokenizer.shareable_across_threads), else separate ones.
+        # `tokenizer` runs on the tokenizer pool (one thread unless it is thread-safe),
+        # `decode_tokenizer` decodes logprob tokens (token_str), the engine thread decodes with the
+        # engine's: the same instance only where that is thread-safe
+        # (pagedllm.tokenizer.shareable_across_threads), else separate ones.
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = tokenizer
@@ -63,11 +82,16 @@ class OpenAIServing:
         self.on_request_params: Callable[[int, int], None] | None = None
         # Default: what the KV cache holds; a request needing more would only preempt itself.
         self.max_request_tokens: int = self.limits.max_request_tokens or facts.kv_capacity_tokens
-        # No token covers more characters than the longest vocabulary entry (byte-level BPE entries
-        # are at least as long as their text), so a text longer than this many characters per token
-        # of context cannot fit: reject it before tokenizing, which for megabytes takes many seconds.
+        # Text is refused before it is tokenized (a megabyte takes about a second of a tokenizer
+        # thread) when it holds more characters than the tokens it may use could cover at
+        # limits.max_chars_per_token a token. 16 by default: measured with the default model's
+        # tokenizer, markdown prose averages 3.1 characters a token, Python 3.8, JSON 2.3; only
+        # text made mostly of long runs of one character goes beyond (64 spaces or "=" are one
+        # token there). Never more than twice the longest vocabulary entry, which no token exceeds.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=16)
-        self.max_prompt_chars = 2 * max(longest, 1) * self.max_model_len
+        self.chars_per_token = min(self.limits.max_chars_per_token, 2 * max(longest, 1))
+        self.max_prompt_chars = self.chars_per_token * min(self.max_model_len, self.max_request_tokens)
+        self.max_request_chars = self.chars_per_token * self.max_request_tokens  # a request's prompts together
 
     def check_model(self, name: str | None) -> str:
         if name is None or name == "":
@@ -119,6 +143,45 @@ class OpenAIServing:
                 param="stop_token_ids",
             )
 
+    def check_control_sizes(self, req: _SamplingRequest) -> None:
+        """Caps on token-control lists, checked before they are copied or turned into tensors: more
+        allowed_token_ids than the vocabulary repeat ids, logit_bias at OpenAI's 300 entries
+        (ServerLimits.max_logit_bias)."""
+        if req.allowed_token_ids is not None and len(req.allowed_token_ids) > self.vocab_size:
+            raise APIError(
+                f"allowed_token_ids has {len(req.allowed_token_ids)} ids; at most the vocabulary's "
+                f"{self.vocab_size} are allowed.",
+                param="allowed_token_ids",
+            )
+        if req.logit_bias is not None and len(req.logit_bias) > self.limits.max_logit_bias:
+            raise APIError(
+                f"logit_bias has {len(req.logit_bias)} entries; at most {self.limits.max_logit_bias} are allowed.",
+                param="logit_bias",
+            )
+
+    def check_prompt_chars(self, lengths: list[int], param: str = "prompt") -> None:
+        """Refuses text before it is tokenized (see __init__): each prompt's text (of ``lengths``
+        characters) at most max_prompt_chars characters, a request's together max_request_chars."""
+        longest = max(lengths, default=0)
+        if longest > self.max_prompt_chars:
+            tokens = self.max_prompt_chars // self.chars_per_token
+            raise APIError(
+                f"The prompt is {longest} characters long: more than the {tokens} "
+                f"tokens it may use (this model's maximum context length is {self.max_model_len} tokens) could hold "
+                f"at {self.chars_per_token} characters a token ({self.max_prompt_chars} characters). Shorten it, "
+                "or send token ids.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        total = sum(lengths)
+        if total > self.max_request_chars:
+            raise APIError(
+                f"The prompts are {total} characters long together: more than the {self.max_request_tokens} tokens "
+                f"one request may use could hold at {self.chars_per_token} characters a token "
+                f"({self.max_request_chars} characters). Send fewer prompts, or token ids.",
+                param=param,
+            )
+
     def check_request_tokens(self, prompts: list[dict], params: SamplingParams) -> None:
         """Caps the KV tokens one request may hold at once: prompts + every sequence's completion."""
         per_prompt = max(params.n, params.best_of or 1)
@@ -140,19 +203,21 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenizes (in the tokenizer thread); a text too long to fit any tokenization is a 400."""
-        if len(text) > self.max_prompt_chars:
-            raise APIError(
-                f"The prompt is {len(text)} characters long: more than the {self.max_model_len} tokens "
-                f"of this model's maximum context length could hold (at most {self.max_prompt_chars} "
-                "characters).",
-                code="context_length_exceeded",
-            )
+        """Tokenizes (in a tokenizer thread); a text too long to fit is a 400 before tokenizing."""
+        self.check_prompt_chars([len(text)])
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server, lives as long
     def token_str(self, token_id: int) -> str:
-        return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
+        # Responses are built in worker threads too (json_response): one decode at a time, as the
+        # decode tokenizer may not be thread-safe. Only cache misses take the lock.
+        with _DECODE_LOCK:
+            return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def json_response(self, build: Callable[..., dict], *args: Any) -> Response:
+        """``build(*args)`` as a JSON response, built and encoded in a worker thread: a response
+        with logprobs can hold megabytes, which on the event loop would stall every other request."""
+        return Response(await asyncio.to_thread(lambda: json_bytes(build(*args))), media_type="application/json")
 
     async def add_requests(
         self, request_id: str, prompts: list[dict], params: SamplingParams, arrival_time: float
