@@ -184,7 +184,19 @@ def test_prompt_logprobs_once_per_prompt(client, prompts):
     for chunk in client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1}):
         for c in chunk.choices:
             first.setdefault(c.index, c.model_extra.get("prompt_logprobs"))
-    assert first == dict(enumerate(plps))
+    # the same logprobs, up to float rounding: the server's prefix cache, warm from earlier tests,
+    # can split the second run's prefill differently (exact equality failed in the full suite only)
+    assert sorted(first) == list(range(6))
+    for i, plp in enumerate(plps):
+        got = first[i]
+        assert (got is None) == (plp is None), i
+        if plp is not None:
+            assert len(got) == len(plp) and got[0] is None and plp[0] is None
+            for a, b in zip(got[1:], plp[1:], strict=True):
+                assert set(a) == set(b)
+                for t in a:
+                    assert abs(a[t]["logprob"] - b[t]["logprob"]) < TOL
+                    assert a[t]["decoded_token"] == b[t]["decoded_token"]
 
 
 def test_prompt_response_budget_names_the_costliest_field(http):
