@@ -217,12 +217,11 @@ class AsyncLLMEngine:
                 pass
 
     def _drain_commands(self) -> bool:
-        """Runs the queued commands; True if one was an add or abort (the stats may have changed)."""
+        """Runs the queued commands; True if one added or aborted a request (the stats changed)."""
         changed = False
         while self._commands:
             cmd = self._commands.popleft()
             kind = cmd[0]
-            changed |= kind != "query"
             if kind == "add":
                 _, stream, prompt, params, arrival_time, fut = cmd
                 try:
@@ -232,9 +231,11 @@ class AsyncLLMEngine:
                     continue
                 self._streams[stream.request_id] = stream
                 self._resolve(fut)
+                changed = True
             elif kind == "abort":
                 ids = [i for i in cmd[1] if i in self._streams]
                 if ids:
+                    changed = True
                     try:
                         self.engine.abort_request(ids)
                     except Exception:  # an engine bug: log it, keep the thread alive
