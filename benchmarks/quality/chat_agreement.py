@@ -53,9 +53,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llamacpp_answers(
-    bin_dir: str, gguf: str, prompt_ids: list[list[int]], max_tokens: int, eos: set[int]
-) -> list[list[int]]:
+def llamacpp_answers(bin_dir: str, gguf: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     port = free_port()
     cmd = [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", "2", "-c", "4096", "-np", "1"]
     server = subprocess.Popen(
@@ -85,8 +83,7 @@ def llamacpp_answers(
             )
             with urllib.request.urlopen(req, timeout=300) as r:
                 toks = json.load(r)["tokens"]
-            # llama.cpp leaves the EOS it stopped on out of the tokens; pagedllm keeps it: compare without it
-            answers.append([t for t in toks if t not in eos])
+            answers.append(toks)  # EOS (which pagedllm keeps, llama.cpp not) is stripped by main
         return answers
     finally:
         server.terminate()
@@ -134,7 +131,7 @@ def main() -> int:
     }
     if args.llamacpp_bin:
         gguf = args.gguf or default_model_gguf_path()
-        answers["llama.cpp"] = llamacpp_answers(args.llamacpp_bin, gguf, prompt_ids, args.max_tokens, eos)
+        answers["llama.cpp"] = llamacpp_answers(args.llamacpp_bin, gguf, prompt_ids, args.max_tokens)
     ref = [strip_eos(a, eos) for a in answers["float"]]
     result = {
         "model": args.model,
