@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
-from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
@@ -317,7 +316,7 @@ class OpenAIServingChat(OpenAIServing):
                 usage = self.usage(len(prompt["prompt_token_ids"]), sum(completion_tokens.values()))
                 yield chunk([], usage=usage)
             yield sse("[DONE]")
-        except (RequestFailedError, EngineDeadError) as e:
+        except Exception as e:  # after the 200: an error event and [DONE], never a cut stream
             yield self.stream_error(e)
             yield sse("[DONE]")
         finally:

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
-from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
@@ -253,7 +252,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.include_usage:
                 yield chunk([], usage=self.usage(sum(prompt_tokens), sum(completion_tokens.values())))
             yield sse("[DONE]")
-        except (RequestFailedError, EngineDeadError) as e:
+        except Exception as e:  # after the 200: an error event and [DONE], never a cut stream
             yield self.stream_error(e)
             yield sse("[DONE]")
         finally:

@@ -318,6 +318,12 @@ class OpenAIServing:
 
     @staticmethod
     def stream_error(e: Exception) -> str:
+        """The SSE error event that ends a stream which failed after its 200 went out (the caller
+        sends ``[DONE]`` after it, as OpenAI's and vLLM's servers do, so clients see an error,
+        not a cut connection)."""
         if isinstance(e, RequestFailedError):  # its message is generic: the details are only logged
             return sse(APIError(str(e), 500).to_dict())
-        return sse(APIError("The engine is not running.", 503).to_dict())
+        if isinstance(e, EngineDeadError):
+            return sse(APIError("The engine is not running.", 503).to_dict())
+        logger.error("streamed response failed", exc_info=e)  # a bug of ours: its text stays in the log
+        return sse(APIError("Internal server error.", 500).to_dict())
