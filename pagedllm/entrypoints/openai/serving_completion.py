@@ -53,8 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens 0 (as vLLM): the prompt and its logprobs alone, nothing generated
         # (scoring a text, as lm-eval's loglikelihood does). The engine samples one token, unshown.
         max_tokens = 1 if self._echo_only(req) else req.max_tokens
+        constraint, constraint_field = structured_outputs_of(req, self.limits)
         params = to_sampling_params(
-            req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, structured_outputs_of(req)
+            req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, constraint
         )
         self.check_limits(req, len(prompts), req.best_of)
         self.check_prompt_chars([len(p) for p in prompts if isinstance(p, str)])  # before tokenizing them
@@ -64,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         top = self.num_top(req.logprobs)
         self._check_prompt_response(req, engine_prompts, n, top)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.add_requests(request_id, engine_prompts, params, arrival)
+        streams = await self.add_requests(request_id, engine_prompts, params, arrival, constraint_field)
         if req.stream:
             gen = self._stream(req, request_id, model, streams, engine_prompts, n, top)
             return AbortOnCloseStreamingResponse(gen, streams)
