@@ -20,7 +20,8 @@ preempted, by one of two mechanisms (``preemption_mode``):
 Idle sequences (sampled, waiting for their owner to append a token: beam search) have nothing to
 run and are not admitted. If nothing runs while others wait and every running sequence is idle,
 the youngest is preempted to let the others in (else a group could wait forever for a member
-that does not fit).
+that does not fit). A running sequence whose structured-output mask is still being computed
+(Sequence.waits_for_mask) sits the step out, keeping its blocks and place.
 
 The scheduler decides and records; it never touches tensors. ``schedule()`` returns a
 SchedulerOutput of plain data for the runner (what changed since the runner was last told:
@@ -160,8 +161,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1  # idle: its owner has not appended its next token yet
+            if num_new <= 0 or seq.waits_for_mask:
+                i += 1  # idle: its owner has not appended its next token yet; or its mask is not in
                 continue
             passed = None  # running[:i] as it was, once a preemption may change the indices
             preempted_self = False

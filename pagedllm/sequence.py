@@ -132,6 +132,12 @@ class Sequence:
         """Sampled at its current length, waiting for its owner to append a token."""
         return not self.auto_append and self.sampled_at_len == self.num_tokens
 
+    @property
+    def waits_for_mask(self) -> bool:
+        """Its structured-output mask for the next token is still being computed: the scheduler
+        leaves it out of this step rather than make the step wait (structured_output/state.py)."""
+        return self.grammar is not None and self.grammar.mask is None
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.sequence import Sequence, SequenceStatus
+from pagedllm.structured_output.state import STOP_REASON as STRUCTURED_OUTPUT_ERROR
 
 
 def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
@@ -11,6 +12,10 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
     Sets ``seq.stop_reason`` to the stop token id (None for EOS) when it stops on a token."""
     sp = seq.sampling_params
     last = seq.output_token_ids[-1]
+    if seq.grammar is not None and seq.grammar.failed:
+        # Its constraint failed (a rejected token, a parser limit): it must not go on unconstrained.
+        seq.stop_reason = STRUCTURED_OUTPUT_ERROR
+        return SequenceStatus.FINISHED_STOPPED
     if seq.num_output_tokens >= sp.min_tokens:
         if not sp.ignore_eos and last in sp.all_stop_token_ids:
             seq.stop_reason = None

@@ -3,6 +3,8 @@
 PAGEDLLM_TEST_FAIL_TOKEN=ID: a step raises RuntimeError when a prompt holding token ID is in it.
 PAGEDLLM_TEST_CRASH_TOKEN=ID: such a step raises a BaseException instead, which kills the engine thread.
 PAGEDLLM_TEST_FAIL_FILE=PATH: while PATH exists, every step that runs anything raises.
+PAGEDLLM_TEST_FAIL_TOP_LOGPROBS=K: formatting the logprobs of a response asking for K top logprobs
+raises (a bug of the serving layer, after a stream's 200 went out).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import sys
 
 from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.runner.model_runner import ModelRunner
 
 
@@ -39,6 +43,19 @@ def execute(self, sched):
 
 
 ModelRunner.execute = execute
+
+
+def _failing_logprobs(real):
+    def logprobs(self, token_ids, lps, top, *rest):
+        if str(top) == os.environ.get("PAGEDLLM_TEST_FAIL_TOP_LOGPROBS"):
+            raise RuntimeError("secret internal detail of the injected serving fault")
+        return real(self, token_ids, lps, top, *rest)
+
+    return logprobs
+
+
+OpenAIServingChat._logprobs = _failing_logprobs(OpenAIServingChat._logprobs)
+OpenAIServingCompletion._logprobs = _failing_logprobs(OpenAIServingCompletion._logprobs)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -17,6 +17,7 @@ import pytest
 from test_server import ServerProcess
 from test_structured_outputs import random_schema
 
+from pagedllm.entrypoints.openai.tool_calls import plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from pagedllm.models.resolve import default_model_gguf_path
 
@@ -272,6 +273,36 @@ def test_llama3_json_parser():
     assert p.extract("Sunny.") == ("Sunny.", [])
     assert p.extract('{"name": 3}') == ('{"name": 3}', [])
     assert p.streamable_len("  {") == 0 and p.streamable_len("<|pyth") == 0 and p.streamable_len("Sunny") == 5
+
+
+def test_text_that_does_not_parse_as_calls_is_content():
+    """Never a raise: a "required" output that is not a list of calls (a constraint that ended
+    early, max_tokens, JSON nested past Python's recursion limit) and parsers' deep nesting."""
+    required = plan_tools(TOOLS, "required", None, False)
+    deep = "[" * 5000 + "]" * 5000
+    for text in [
+        "",
+        "5",
+        '"x"',
+        "{}",
+        "[]",
+        "[1]",
+        deep,
+        "[" * 5000,
+        '[{"name": 3, "parameters": {}}]',
+        '[{"name": "get_time"}]',
+        '[{"name": "get_time", "parameters": 5}]',
+        '[{"name": "get_time", "parameters": {"zone": ' + deep + "}}]",
+    ]:
+        assert required.calls_of(text) == (text, []), text
+    assert required.calls_of('[{"name": "get_time", "parameters": {"zone": 1}}]')[1][0].arguments == '{"zone": 1}'
+    hermes, llama = HermesToolParser(), Llama3JsonToolParser()
+    for text in ["<tool_call>" + deep, '<tool_call>{"name": "a", "arguments": "' + deep + '"}</tool_call>']:
+        assert hermes.extract(text) == (text, [])
+    text = '{"name": "a", "parameters": ' + deep + "}"
+    assert llama.extract(text) == (text, [])
+    history = [{"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": deep}}]}]
+    assert template_messages(history)[0]["tool_calls"][0]["function"]["arguments"] == deep  # kept as sent
 
 
 @pytest.mark.skipif(default_model_gguf_path() is None, reason="the default model is not installed")

@@ -125,13 +125,15 @@ class AsyncLLMEngine:
 
         Raises what LLMEngine.add_request raises (ValueError for a bad request, nothing queued).
         """
+        grammar = None
         if params is not None and params.structured_outputs is not None:
-            # Compiled here, in a worker thread, so the step loop only finds it in the cache.
-            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
+            # Compiled before it is queued, in the compile threads (never this loop or the engine
+            # thread); a GrammarError (a ValueError) refuses the request.
+            grammar = await self.engine.structured.compile_async(params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, self)
         fut: asyncio.Future[None] = loop.create_future()
-        self._submit(("add", stream, prompt, params, arrival_time, fut))
+        self._submit(("add", stream, prompt, params, arrival_time, grammar, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -223,9 +225,9 @@ class AsyncLLMEngine:
             cmd = self._commands.popleft()
             kind = cmd[0]
             if kind == "add":
-                _, stream, prompt, params, arrival_time, fut = cmd
+                _, stream, prompt, params, arrival_time, grammar, fut = cmd
                 try:
-                    self.engine.add_request(stream.request_id, prompt, params, arrival_time)
+                    self.engine.add_request(stream.request_id, prompt, params, arrival_time, compiled_grammar=grammar)
                 except Exception as e:  # ValueError / NotImplementedError: the caller's fault
                     self._resolve(fut, error=e)
                     continue

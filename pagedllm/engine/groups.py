@@ -99,11 +99,14 @@ class SampleGroup:
             out.logprobs.append(sample.top_logprobs)
         sp = seq.sampling_params
         # A token that ends generation (EOS, stop_token_ids) adds no text, as in vLLM, unless the
-        # stop is asked to be in the output; the token that completes a structured output does.
+        # stop is asked to be in the output; the token that completes a structured output does,
+        # the one a failed constraint ends on never does (it may be one the constraint rejected).
         stopped_by_token = sample.finished == SequenceStatus.FINISHED_STOPPED and (
             sample.token_id in sp.stop_token_ids or sample.token_id in sp.all_stop_token_ids
         )
-        if out.detokenizer is not None and (not stopped_by_token or sp.include_stop_str_in_output):
+        constraint_failed = sample.finished is not None and seq.grammar is not None and seq.grammar.failed
+        shown = not constraint_failed and (not stopped_by_token or sp.include_stop_str_in_output)
+        if out.detokenizer is not None and shown:
             # stop strings, like stop tokens, only count once min_tokens are out
             stop_str = out.detokenizer.add_token(sample.token_id, check_stop=seq.num_output_tokens >= sp.min_tokens)
             if stop_str is not None:

@@ -22,6 +22,7 @@ from pagedllm.engine.intake import PromptType, check_logprobs, tokenize_prompt, 
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence
+from pagedllm.structured_output.grammar import CompiledGrammar
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.token_controls import bad_words_token_ids, check_token_controls, prepare_token_controls
 from pagedllm.tokenizer import TokenTexts
@@ -86,8 +87,13 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        *,
+        compiled_grammar: CompiledGrammar | None = None,
     ) -> str:
-        """Validates and queues a request; raises ValueError (nothing queued) if it can never run."""
+        """Validates and queues a request; raises ValueError (nothing queued) if it can never run.
+
+        ``compiled_grammar``: its structured output compiled already (AsyncLLMEngine compiles off
+        this thread); else it is compiled here."""
         params = (params or SamplingParams()).clone()
         request_id = self._new_request_id(request_id)
         check_logprobs(params, self.vocab_size, self.config.max_logprobs)
@@ -113,7 +119,7 @@ class LLMEngine:
         salt = self._prefix_cache_salt(len(ids))
         first = Sequence(request_id, ids, params, arrival_time=arrival_time, cache_salt=salt)
         if params.structured_outputs is not None:
-            first.grammar = self.structured.new_state(params.structured_outputs)
+            first.grammar = self.structured.new_state(params.structured_outputs, compiled_grammar)
         self._groups[request_id] = SampleGroup(
             request_id, text, first, self.core, self._group_of, self.tokenizer, self.token_texts
         )
@@ -212,6 +218,7 @@ class LLMEngine:
         holds nothing outside this process: nothing to stop, and it keeps working.
         ``graceful=False``: a step may still be running on another thread; the workers are
         killed rather than sent the stop message (which would interleave with that step's)."""
+        self.structured.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop(graceful)

@@ -1,132 +1,113 @@
-"""StructuredOutputManager: compiled grammars (cached), one matcher per sequence, and the token
-bitmask of each step.
+"""StructuredOutputManager: compiled grammars, one matcher per sequence, and the token masks of
+each step.
 
 As in vLLM, the constraint is a bitmask over the vocabulary per constrained sequence and step,
 computed on the host from each sequence's matcher and applied to its logits before sampling;
 the KV cache and the forward are untouched. Matchers advance on the engine's side as tokens are
 appended (Sequence.append_output_token), so the runner only ever sees the mask.
 
-Compiling is done once per distinct constraint (cached, least recently used evicted): the
-server compiles in its request handlers, off the step loop, and a step only copies a compiled
-matcher. Masks of a step's sequences are computed by llguidance's thread pool at once.
+Compiling (compiler.py) happens once per distinct constraint, in its own threads, before the
+request reaches the engine. Masks (state.py) are computed ahead, in mask threads, as soon as a
+sequence accepts a token; a step waits for outstanding masks only a fraction of a step's time
+(``settle``), and sequences whose mask is not in yet sit that step out.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections import OrderedDict
+import concurrent.futures
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
-from pagedllm.structured_output.grammar import compile_error, grammar_text
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.structured_output.grammar import CompiledGrammar
+from pagedllm.structured_output.limits import CompileSettings, lower_thread_priority
 from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.state import GrammarState
 
-logger = logging.getLogger("pagedllm")
-
-CACHE_SIZE = 256  # distinct constraints kept compiled
-
-
-class GrammarState:
-    """One sequence's matcher: the tokens it accepted so far, and what it allows next."""
-
-    def __init__(self, template: llguidance.LLMatcher) -> None:
-        self._template = template  # the compiled constraint before any token
-        self.matcher = template.deep_copy()
-        self.num_accepted = 0
-        self.failed = False  # a token it could not accept: it no longer constrains (logged)
-
-    def accept(self, token_id: int) -> None:
-        if self.failed:
-            return
-        if not self.matcher.consume_token(token_id):
-            self.failed = True
-            error = self.matcher.get_error()
-            logger.warning("pagedllm: structured output could not accept token %d: %s", token_id, error)
-            return
-        self.num_accepted += 1
-
-    @property
-    def is_terminated(self) -> bool:
-        """The output is complete: nothing but end-of-sequence may follow."""
-        return not self.failed and self.matcher.is_stopped()
-
-    @property
-    def constrains(self) -> bool:
-        return not self.failed and not self.matcher.is_stopped()
-
-    def fork(self, output_token_ids: list[int]) -> GrammarState:
-        """The state of a sequence holding these output tokens (a fork of this one's)."""
-        child = GrammarState(self._template)
-        if len(output_token_ids) == self.num_accepted and not self.failed:
-            child.matcher = self.matcher.deep_copy()
-            child.num_accepted = self.num_accepted
-        else:
-            for t in output_token_ids:
-                child.accept(t)
-        return child
+__all__ = ["StructuredOutputManager", "GrammarState"]
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_id: int | None, settings: CompileSettings | None = None
+    ) -> None:
         """``tokenizer``: the engine's (a transformers fast tokenizer); ``vocab_size``: the width of
         the model's logits (may exceed the tokenizer's: padding rows are never allowed)."""
-        self._hf_tokenizer = tokenizer
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_id, settings or CompileSettings.from_env())
         self.vocab_size = vocab_size
-        self._eos = eos_token_id
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
-        self._compiled: OrderedDict[tuple[str, str, bool], llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
-        self.words = (vocab_size + 31) // 32  # int32 words per mask row
+        self.words = self.compiler.words  # int32 words per mask row
+        self._eos_row = np.zeros(self.words, dtype=np.int32)
+        if eos_token_id is not None and 0 <= eos_token_id < vocab_size:
+            self._eos_row.view(np.uint32)[eos_token_id // 32] = np.uint32(1 << (eos_token_id % 32))
+        self._eos_row.flags.writeable = False
+        self._pending: set[GrammarState] = set()  # engine thread only
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self.mask_threads = max(1, min(4, (os.cpu_count() or 2) // 4))
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        # Built on first use (~1 s for a 50k vocabulary), not when an engine starts.
-        with self._lock:
-            if self._ll_tokenizer is None:
-                try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
-                    )
-                except Exception as e:  # a slow tokenizer, or one llguidance cannot read
-                    raise ValueError(f"structured outputs need a fast (Rust) tokenizer: {e}") from e
-            return self._ll_tokenizer
+        return self.compiler.tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """The compiled constraint (cached); ValueError with the grammar's error if it cannot run."""
-        key = params.key()
-        with self._lock:
-            hit = self._compiled.get(key)
-            if hit is not None:
-                self._compiled.move_to_end(key)
-                return hit
-        tokenizer = self.tokenizer
-        grammar = grammar_text(params)
-        error = compile_error(grammar, tokenizer)
-        if error is not None:
-            raise ValueError(f"structured outputs: the {params.kind} constraint cannot be compiled: {error}")
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            error = matcher.get_error()
-            raise ValueError(f"structured outputs: the {params.kind} constraint cannot be compiled: {error}")
-        with self._lock:
-            self._compiled[key] = matcher
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        return matcher
+    # ---- compiling (any thread) ------------------------------------------------------------
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint, compiled in this thread if not cached; GrammarError if it cannot run."""
+        return self.compiler.compile(params)
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(self.compile(params))
+    async def compile_async(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled constraint from the compile threads (see GrammarCompiler.compile_async)."""
+        return await self.compiler.compile_async(params)
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def new_state(self, params: StructuredOutputsParams, compiled: CompiledGrammar | None = None) -> GrammarState:
+        """A sequence's state; ``compiled``: the constraint compiled already (the server's path),
+        else it is compiled here (the offline LLM's, whose caller is the engine's thread)."""
+        return GrammarState(compiled or self.compile(params), self._submit, self._eos_row)
+
+    def _submit(self, state: GrammarState) -> Future:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(self.mask_threads, "pagedllm-mask", initializer=lower_thread_priority)
+        self._pending.add(state)
+        return self._mask_pool.submit(self._compute_mask, state.matcher)
+
+    def _compute_mask(self, matcher: llguidance.LLMatcher) -> tuple[np.ndarray, bool]:
+        mask = np.zeros(self.words, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)  # releases the GIL
+        return mask, matcher.is_error()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def settle(self, timeout: float) -> None:
+        """Takes in the masks that are done, after waiting up to ``timeout`` s for the rest."""
+        if not self._pending:
+            return
+        if timeout > 0:
+            futures = [s.future for s in self._pending if s.future is not None]
+            concurrent.futures.wait(futures, timeout=timeout)
+        self._pending = {s for s in self._pending if not s.poll()}
+
+    def wait_any(self, timeout: float) -> None:
+        """Waits until a mask is done (or ``timeout`` s): a step that had nothing else to run."""
+        futures = [s.future for s in self._pending if s.future is not None]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def bitmask(self, states: list[GrammarState]) -> np.ndarray:
-        """int32 [len(states), words]: bit t of row i set when states[i] allows token t next."""
-        mask = np.full((len(states), self.words), -1, dtype=np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr(
-            [(s.matcher, i) for i, s in enumerate(states)], mask.ctypes.data, self.words * 4, len(states)
-        )
+        """int32 [len(states), words]: bit t of row i set when states[i] allows token t next
+        (waits for a mask still being computed: scheduling holds such sequences back, so only
+        a rare path gets here with one)."""
+        mask = np.empty((len(states), self.words), dtype=np.int32)
+        for i, s in enumerate(states):
+            if s.mask is None:
+                s.wait()
+            mask[i] = s.mask
         return mask
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False, cancel_futures=True)

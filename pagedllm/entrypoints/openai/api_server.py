@@ -275,6 +275,8 @@ def run_server(args: argparse.Namespace) -> int:
         max_logit_bias=args.max_logit_bias,
         max_chars_per_token=args.max_chars_per_token,
         max_prompt_response_bytes=args.max_prompt_response_bytes,
+        max_constraint_choices=args.max_constraint_choices,
+        max_constraint_bytes=args.max_constraint_bytes,
         max_request_tokens=args.max_request_tokens,
     )
     app = build_app(

@@ -103,6 +103,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         ("max_logit_bias", "logit_bias entries"),
         ("max_chars_per_token", "characters of prompt text per token it may fit, checked before tokenizing"),
         ("max_prompt_response_bytes", "estimated bytes of echoed prompts and prompt_logprobs in a response"),
+        ("max_constraint_choices", "guided_choice options"),
+        ("max_constraint_bytes", "bytes of an output constraint's JSON schema, regex, grammar or choices"),
     ):
         default = getattr(d, field)
         limits.add_argument(

@@ -30,5 +30,10 @@ class ServerLimits:
     # Estimated bytes of a response's prompt-derived part (echo in every choice, prompt_logprobs):
     # see response_budget.py
     max_prompt_response_bytes: int = 4 * 2**20
+    # An output constraint (guided_*, structured_outputs, response_format, a required / named
+    # tool_choice): choices (OpenAI allows 1,000 enum values), and bytes of its schema, regex,
+    # grammar or choices; they bound its compile time and memory (structured_output/limits.py).
+    max_constraint_choices: int = 1000
+    max_constraint_bytes: int = 64 * 1024
     # prompt tokens + sequences x max_tokens, summed over the prompts; None: the KV cache's capacity
     max_request_tokens: int | None = None

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
-from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
@@ -28,7 +27,7 @@ from pagedllm.entrypoints.openai.streaming import (
     merge_streams,
     sse,
 )
-from pagedllm.entrypoints.openai.structured import structured_outputs_of
+from pagedllm.entrypoints.openai.structured import check_constraint_size, structured_outputs_of
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.logprobs import Logprob
@@ -85,21 +84,24 @@ class OpenAIServingChat(OpenAIServing):
     tool_parser: ToolParser | None = None
     enable_auto_tools: bool = False
 
-    def _constraint(self, req: ChatCompletionRequest) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
-        """The request's tool plan and output constraint (a required / named tool choice's, or
-        response_format's and the like: not both)."""
+    def _constraint(
+        self, req: ChatCompletionRequest
+    ) -> tuple[ToolPlan | None, StructuredOutputsParams | None, str | None]:
+        """The request's tool plan, output constraint (a required / named tool choice's, or
+        response_format's and the like: not both) and the field the constraint came from."""
         plan = plan_tools(
             req.tools, req.tool_choice, self.tool_parser, self.enable_auto_tools, req.parallel_tool_calls is not False
         )
-        constraint = structured_outputs_of(req)
+        constraint, field = structured_outputs_of(req, self.limits)
         if plan is not None and plan.constraint is not None:
             if constraint is not None:
                 raise APIError(
                     "A required or named tool_choice constrains the output already; drop response_format.",
                     param="tool_choice",
                 )
-            constraint = plan.constraint
-        return plan, constraint
+            constraint, field = plan.constraint, "tools"
+            check_constraint_size(constraint, field, self.limits)
+        return plan, constraint, field
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         arrival = time.monotonic()
@@ -114,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
                 f"messages has {len(req.messages)} messages; at most {self.limits.max_messages} are allowed.",
                 param="messages",
             )
-        plan, constraint = self._constraint(req)
+        plan, constraint, constraint_field = self._constraint(req)
         self.check_control_sizes(req)
         params = to_sampling_params(
             req,
@@ -141,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
             n_prompt = len(prompt["prompt_token_ids"])
             shape = PromptResponse([n_prompt], [0], params.n, prompt_top=self.num_top(req.prompt_logprobs))
             check_prompt_response(shape, self.limits.max_prompt_response_bytes)
-        streams = await self.add_requests(request_id, [prompt], params, arrival)
+        streams = await self.add_requests(request_id, [prompt], params, arrival, constraint_field)
         if req.stream:
             return AbortOnCloseStreamingResponse(
                 self._stream(req, request_id, model, streams, prompt, params.n, plan), streams
@@ -317,7 +319,7 @@ class OpenAIServingChat(OpenAIServing):
                 usage = self.usage(len(prompt["prompt_token_ids"]), sum(completion_tokens.values()))
                 yield chunk([], usage=usage)
             yield sse("[DONE]")
-        except (RequestFailedError, EngineDeadError) as e:
+        except Exception as e:  # after the 200: an error event and [DONE], never a cut stream
             yield self.stream_error(e)
             yield sse("[DONE]")
         finally:

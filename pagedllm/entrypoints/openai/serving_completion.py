@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
-from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
@@ -54,8 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens 0 (as vLLM): the prompt and its logprobs alone, nothing generated
         # (scoring a text, as lm-eval's loglikelihood does). The engine samples one token, unshown.
         max_tokens = 1 if self._echo_only(req) else req.max_tokens
+        constraint, constraint_field = structured_outputs_of(req, self.limits)
         params = to_sampling_params(
-            req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, structured_outputs_of(req)
+            req, max_tokens, req.logprobs, req.best_of, prompt_k, self.default_sampling, constraint
         )
         self.check_limits(req, len(prompts), req.best_of)
         self.check_prompt_chars([len(p) for p in prompts if isinstance(p, str)])  # before tokenizing them
@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         top = self.num_top(req.logprobs)
         self._check_prompt_response(req, engine_prompts, n, top)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.add_requests(request_id, engine_prompts, params, arrival)
+        streams = await self.add_requests(request_id, engine_prompts, params, arrival, constraint_field)
         if req.stream:
             gen = self._stream(req, request_id, model, streams, engine_prompts, n, top)
             return AbortOnCloseStreamingResponse(gen, streams)
@@ -253,7 +253,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.include_usage:
                 yield chunk([], usage=self.usage(sum(prompt_tokens), sum(completion_tokens.values())))
             yield sse("[DONE]")
-        except (RequestFailedError, EngineDeadError) as e:
+        except Exception as e:  # after the 200: an error event and [DONE], never a cut stream
             yield self.stream_error(e)
             yield sse("[DONE]")
         finally:

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.streaming import ClientDisconnected, abort_all,
 from pagedllm.logprobs import Logprob
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.grammar import GrammarError
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -220,9 +221,15 @@ class OpenAIServing:
         return Response(await asyncio.to_thread(lambda: json_bytes(build(*args))), media_type="application/json")
 
     async def add_requests(
-        self, request_id: str, prompts: list[dict], params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompts: list[dict],
+        params: SamplingParams,
+        arrival_time: float,
+        constraint_field: str | None = None,
     ) -> list[OutputStream]:
-        """Adds one engine request per prompt, all or nothing; bad input becomes a 400."""
+        """Adds one engine request per prompt, all or nothing; bad input becomes a 400 (one whose
+        output constraint cannot compile names ``constraint_field``, where it came from)."""
         streams: list[OutputStream] = []
         try:
             for i, p in enumerate(prompts):
@@ -230,6 +237,8 @@ class OpenAIServing:
                 streams.append(await self.engine.add_request(rid, p, params, arrival_time))
         except BaseException as e:
             abort_all(streams)
+            if isinstance(e, GrammarError):
+                raise APIError(str(e), 400, param=constraint_field) from e
             if isinstance(e, (ValueError, TypeError)):
                 err = error_from_value_error(e, _FIELDS)
                 if len(prompts) > 1 and err.param is None:
@@ -318,6 +327,12 @@ class OpenAIServing:
 
     @staticmethod
     def stream_error(e: Exception) -> str:
+        """The SSE error event that ends a stream which failed after its 200 went out (the caller
+        sends ``[DONE]`` after it, as OpenAI's and vLLM's servers do, so clients see an error,
+        not a cut connection)."""
         if isinstance(e, RequestFailedError):  # its message is generic: the details are only logged
             return sse(APIError(str(e), 500).to_dict())
-        return sse(APIError("The engine is not running.", 503).to_dict())
+        if isinstance(e, EngineDeadError):
+            return sse(APIError("The engine is not running.", 503).to_dict())
+        logger.error("streamed response failed", exc_info=e)  # a bug of ours: its text stays in the log
+        return sse(APIError("Internal server error.", 500).to_dict())

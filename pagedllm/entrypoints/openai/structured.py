@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.structured_output import StructuredOutputsParams
+from pagedllm.structured_output.limits import constraint_size_error
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -33,9 +35,11 @@ def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
     )
 
 
-def structured_outputs_of(req: Any) -> StructuredOutputsParams | None:
-    """The request's constraint, or None. More than one way at once, or a malformed one, is a 400
-    naming the field."""
+def structured_outputs_of(
+    req: Any, limits: ServerLimits | None = None
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from, or (None, None). More than one way at
+    once, a malformed one, or one over ``limits``' caps is a 400 naming the field."""
     if getattr(req, "guided_whitespace_pattern", None) is not None:
         raise APIError(
             "guided_whitespace_pattern is not supported: JSON is written without free whitespace.",
@@ -60,4 +64,16 @@ def structured_outputs_of(req: Any) -> StructuredOutputsParams | None:
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
         raise APIError(f"Give one output constraint, not several ({names}).", param=given[1][0])
-    return given[0][1] if given else None
+    if not given:
+        return None, None
+    field, params = given[0]
+    check_constraint_size(params, field, limits)
+    return params, field
+
+
+def check_constraint_size(params: StructuredOutputsParams, field: str, limits: ServerLimits | None) -> None:
+    """A 400 naming ``field`` if ``params`` is over the server's constraint caps (before any compile)."""
+    limits = limits or ServerLimits()
+    error = constraint_size_error(params, limits.max_constraint_choices, limits.max_constraint_bytes)
+    if error is not None:
+        raise APIError(f"{field}: {error}", param=field)

@@ -10,14 +10,16 @@
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, call_of, loads
 from pagedllm.structured_output import StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm.server")
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
@@ -31,17 +33,19 @@ class ToolPlan:
     parser: ToolParser | None = None
 
     def calls_of(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished output."""
+        """(content, tool calls) of a finished output. Never raises: text that does not parse as
+        calls (cut by max_tokens, a constraint that ended early, nesting deeper than Python
+        parses) is the content."""
         if self.mode == "named":
             return None, [ToolCall(self.named, text)]
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:  # cut by max_tokens: what it wrote is not a list of calls yet
-                return text, []
-            return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
-        if self.mode == "auto" and self.parser is not None:
-            return self.parser.extract(text)
+        try:
+            if self.mode == "required":
+                calls = _required_calls(text)
+                return (None, calls) if calls else (text, [])
+            if self.mode == "auto" and self.parser is not None:
+                return self.parser.extract(text)
+        except Exception as e:  # a parser's bug must not lose the answer: it is still the text
+            logger.warning("tool-call parsing failed (%s); the output is returned as content", type(e).__name__)
         return text, []
 
     def streamable_len(self, text: str) -> int:
@@ -51,6 +55,19 @@ class ToolPlan:
         if self.mode == "auto" and self.parser is not None:
             return self.parser.streamable_len(text)
         return len(text)
+
+
+def _required_calls(text: str) -> list[ToolCall]:
+    """The calls of a tool_choice "required" output ([{"name": ..., "parameters": {...}}, ...]),
+    or [] if it is not that."""
+    try:
+        items = loads(text)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    calls = [call_of(c, "parameters") if isinstance(c, dict) and "parameters" in c else None for c in items]
+    return calls if calls and all(c is not None for c in calls) else []  # type: ignore[return-value]
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +154,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 try:
-                    fn["arguments"] = json.loads(fn["arguments"])
+                    fn["arguments"] = loads(fn["arguments"])
                 except ValueError:
                     pass  # the template gets the text as the client sent it
     return messages

@@ -29,18 +29,33 @@ class ToolCall:
         return d if index is None else {"index": index, **d}
 
 
-def _call(obj: object, args_key: str) -> ToolCall | None:
+# What a model's text can make json raise: malformed text, and nesting deeper than Python's
+# recursion limit (a model may write thousands of "[" before it is cut off).
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def loads(text: str) -> object:
+    """json.loads, or a ValueError for anything it cannot read (also nesting too deep)."""
+    try:
+        return json.loads(text)
+    except RecursionError as e:
+        raise ValueError("JSON nested too deeply") from e
+
+
+def call_of(obj: object, args_key: str) -> ToolCall | None:
+    """The call ``obj`` describes ({"name": str, args_key or "arguments": object or its JSON
+    text}), or None: anything else is not a call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(args_key, obj.get("arguments", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string already
-        try:
-            args = json.loads(args)
-        except ValueError:
+    try:
+        if isinstance(args, str):  # some models write the arguments as a JSON string already
+            args = loads(args)
+        if not isinstance(args, dict):
             return None
-    if not isinstance(args, dict):
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    except JSON_ERRORS:
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -75,7 +90,7 @@ class HermesToolParser(ToolParser):
         calls = []
         for m in self._BLOCK.finditer(text, start):
             try:
-                call = _call(json.loads(m.group(1)), "arguments")
+                call = call_of(loads(m.group(1)), "arguments")
             except ValueError:
                 call = None
             if call is None:  # a malformed block: the answer is text, as the model wrote it
@@ -107,9 +122,9 @@ class Llama3JsonToolParser(ToolParser):
         while pos < len(body):
             try:
                 obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
+            except JSON_ERRORS:
                 return text, []
-            call = _call(obj, "parameters")
+            call = call_of(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
