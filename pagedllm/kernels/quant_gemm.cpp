@@ -102,14 +102,14 @@ void decode_row(int64_t qtype, const uint8_t* src, int64_t K, int16_t* q, float*
     case Q5_1: {
       const bool min = qtype == Q4_1 || qtype == Q5_1, five = qtype == Q5_0 || qtype == Q5_1;
       const int bias = min ? 0 : five ? 16 : 8;
-      const uint8_t* qh = src + (min ? 4 : 2);  // Q5_x: bit l is element l's fifth bit
-      const int64_t bytes = (min ? 4 : 2) + (five ? 4 : 0) + 16;
-      for (int64_t b = 0; b < nb; ++b, src += bytes, qh += bytes, q += 32) {
-        const uint8_t* qs = qh + (five ? 4 : 0);
-        for (int l = 0; l < 16; ++l) {
-          const int h_lo = five ? (qh[l / 8] >> (l % 8)) & 1 : 0, h_hi = five ? (qh[2 + l / 8] >> (l % 8)) & 1 : 0;
-          q[l] = static_cast<int16_t>(((qs[l] & 0xF) | (h_lo << 4)) - bias);
-          q[l + 16] = static_cast<int16_t>(((qs[l] >> 4) | (h_hi << 4)) - bias);
+      const int64_t head = min ? 4 : 2, bytes = head + (five ? 4 : 0) + 16;
+      for (int64_t b = 0; b < nb; ++b, src += bytes, q += 32) {
+        uint32_t h = 0;  // Q5_x: bit l is element l's fifth bit
+        if (five) std::memcpy(&h, src + head, 4);
+        const uint8_t* qs = src + bytes - 16;
+        for (int l = 0; l < 16; ++l) {  // branch-free: gcc vectorizes it (variable shifts)
+          q[l] = static_cast<int16_t>(((qs[l] & 0xF) | (((h >> l) & 1) << 4)) - bias);
+          q[l + 16] = static_cast<int16_t>(((qs[l] >> 4) | (((h >> (l + 16)) & 1) << 4)) - bias);
         }
         sc[2 * b] = sc[2 * b + 1] = h2f(src);
         off[b] = min ? h2f(src + 2) : 0.f;
