@@ -2,10 +2,10 @@
 
 Weights come from a tiny HF checkpoint (tiny_models.build_model), q/k rows permuted as llama.cpp's
 converter does for llama (not for the NEOX-RoPE families), Gemma's norms stored + 1, and quantized
-with gguf-py's own quantizers (Q4_0 / Q4_1 / Q8_0). gguf-py cannot quantize K-quants, so K-quant
-tensors get hand-packed blocks: random quant bits and sub-block scales with small fp16 super-block
-scales (any bit pattern is a valid block; the tests compare paths, not against the float
-checkpoint).
+with gguf-py's own quantizers (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0). gguf-py cannot quantize
+K-quants, so K-quant tensors get hand-packed blocks: random quant bits and sub-block scales with
+small fp16 super-block scales (any bit pattern is a valid block; the tests compare paths, not
+against the float checkpoint).
 """
 
 from __future__ import annotations

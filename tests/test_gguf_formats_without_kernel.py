@@ -1,7 +1,7 @@
 """A GGUF file with tensors in block formats that have no integer kernel loads natively all the
 same: those tensors are dequantized at load (one log line names them), the rest stay in their
-blocks. llama.cpp's Q4_K_M files hold Q5_0 / Q8_0 tensors wherever a row is not a multiple of
-256, and many downloads are IQ4_XS / IQ4_NL / Q3_K / Q2_K."""
+blocks. Many downloads are IQ4_XS / IQ4_NL / Q3_K / Q2_K. (llama.cpp's Q4_K_M files also hold
+Q5_0 / Q5_1 / Q8_0 tensors wherever a row is not a multiple of 256: those have kernels.)"""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.models.quantized_linear import QuantizedLinear
 
 T = GGMLQuantizationType
-# K a multiple of 32 (the tiny llama): the 32-value formats without a kernel, next to kernel ones
+# K a multiple of 32 (the tiny llama): the 32-value format without a kernel, next to kernel ones
 LEGACY_MIX = {"attn_q": T.Q4_0, "attn_k": T.Q5_0, "attn_v": T.Q5_1, "attn_output": T.IQ4_NL, "ffn_down": T.Q4_1}
 # K a multiple of 256: the super-block formats without a kernel
 KQUANT_MIX = {"attn_q": T.Q4_K, "attn_k": T.Q3_K, "attn_v": T.Q2_K, "ffn_down": T.IQ4_XS, "ffn_up": T.Q6_K}
-WITHOUT_KERNEL = {"legacy": ("Q5_0", "Q5_1", "IQ4_NL"), "kquant": ("Q3_K", "Q2_K", "IQ4_XS")}
+WITHOUT_KERNEL = {"legacy": ("IQ4_NL",), "kquant": ("Q3_K", "Q2_K", "IQ4_XS")}
+# and the formats of the GEMMs that stay in their blocks (the kinds not named above: Q8_0)
+WITH_KERNEL = {"legacy": ("Q4_0", "Q5_0", "Q5_1", "Q4_1", "Q8_0"), "kquant": ("Q4_K", "Q6_K", "Q8_0")}
 
 
 def logged_gemms(lines: list[str]) -> int:
@@ -56,6 +58,9 @@ def test_formats_without_kernel_load_dequantized_and_match_the_float_model(files
     lines = [r.getMessage() for r in caplog.records]
     logged = [line for line in lines if "no integer kernel" in line]
     assert len(logged) == 1 and all(fmt in logged[0] for fmt in WITHOUT_KERNEL[which])
+    assert not any(fmt in logged[0] for fmt in WITH_KERNEL[which])
+    formats = {m.format for m in native.llm_engine.model.modules() if isinstance(m, QuantizedLinear)}
+    assert formats == set(WITH_KERNEL[which])  # each kept in its blocks
     model = native.llm_engine.model
     assert logged_gemms(lines) == gemm_modules(model)  # the dequantized parts of mixed projections too
     attn = model.layers[0].self_attn

@@ -25,8 +25,8 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<t
 bool packed_gemm_available();
 bool amx_available();
 torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
-// quant_gemm's type codes for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights repacked by quant_interleave_rows (as ggml
-// gives its repacked Q4_0_8_8 a type of its own): the GGUF type + kInterleaved.
+// quant_gemm's type codes for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights repacked by
+// quant_interleave_rows (as ggml gives its repacked Q4_0_8_8 a type of its own): the GGUF type + kInterleaved.
 constexpr int64_t kInterleaved = 1000;
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
 torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K);

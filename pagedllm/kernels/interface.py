@@ -18,7 +18,8 @@ MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
+INTERLEAVED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)
 INTERLEAVED_OFFSET = 1000
 
 
@@ -157,7 +158,8 @@ class CpuKernels:
 
     # ---- GGUF quantized GEMM (quant_gemm.cpp, quant_gemm_interleaved.cpp) -----------------------
     def quant_gemm_supports(self, qtype: int) -> bool:
-        """Whether quant_gemm runs weights of this GGMLQuantizationType (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K)."""
+        """Whether quant_gemm runs weights of this GGMLQuantizationType
+        (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K)."""
         return self._m.quant_gemm_supports(qtype)
 
     def quant_gemm_simd(self) -> bool:
@@ -167,22 +169,22 @@ class CpuKernels:
     def quant_gemm(self, x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] float32, W the N rows of GGUF blocks w [N, bytes] uint8.
         x is quantized per row to int16 blocks of 32 with a float scale (amax / 32767); for
-        ``interleaved_qtype(Q4_0 / Q4_1)`` (w repacked by ``quant_interleave_rows``) to int8
-        blocks (amax / 127)."""
+        ``interleaved_qtype`` of any format but Q8_0 (w repacked by ``quant_interleave_rows``) to
+        int8 blocks (amax / 127)."""
         return self._m.quant_gemm(x, w, qtype)
 
     def interleaved_qtype(self, qtype: int) -> int | None:
-        """quant_gemm's code for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights repacked eight rows at a time
-        (None for other formats, and for a build without that kernel). The kernel it selects is the
-        faster one at every row count."""
-        if qtype not in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) or not self._m.quant_gemm_supports(INTERLEAVED_OFFSET + qtype):
+        """quant_gemm's code for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights repacked eight
+        rows at a time (None for other formats, and for a build without that kernel). The kernel it
+        selects is the faster one at every row count."""
+        if qtype not in INTERLEAVED_TYPES or not self._m.quant_gemm_supports(INTERLEAVED_OFFSET + qtype):
             return None
         return INTERLEAVED_OFFSET + qtype
 
     def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
-        """Rows w [N, bytes] (N a multiple of 8) repacked for quant_gemm: Q4_0 / Q4_1 / Q8_0 in place
-        (w returned), Q4_K / Q6_K into a new tensor (Q4_K's scales unpacked: 1184 bytes per 8 x 256
-        values; Q6_K regrouped, the same size)."""
+        """Rows w [N, bytes] (N a multiple of 8) repacked for quant_gemm: Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+        Q8_0 in place (w returned; Q5_x's fifth bits transposed), Q4_K / Q6_K into a new tensor
+        (Q4_K's scales unpacked: 1184 bytes per 8 x 256 values; Q6_K regrouped, the same size)."""
         return self._m.quant_interleave_rows(w, qtype)
 
     def quant_interleaved_rows(self, w: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,17 @@
-// y = x @ W^T with W kept in its GGUF (llama.cpp) quantized blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+// y = x @ W^T with W kept in its GGUF (llama.cpp) quantized blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K, Q6_K.
 //
 // Activations are quantized on the fly to int16 blocks of 32 with one float scale per block
 // (d = amax / 32767). llama.cpp uses int8 blocks (q8_0 / q8_1); with one output per accumulator,
 // as here, 16 bits cost the same on AVX2 (one vpmaddwd does 16 multiply-adds, as does maddubs +
 // madd for 32 int8 ones) and keep the activations' rounding 256x smaller. Q4_0 / Q4_1 / Q8_0
 // weights repacked eight rows at a time run in quant_gemm_interleaved.cpp instead (Q4_x with int8
-// activations: there the integer sums stay in 16 bits per block), 1.5-3x faster.
+// activations: there the integer sums stay in 16 bits per block), 1.5-3x faster; so do Q5_0 /
+// Q5_1, which come here only where a layer's rows are not a multiple of 8.
 //
 // Every weight block is seen as 32 signed integers, a scale for each half (Q6_K has 16-element
-// sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's min,
-// the K-quants' -dmin * m; Q4_0's "- 8" is folded into its integers):
+// sub-blocks; every other format one scale per 32) and an additive offset per block (Q4_1's and
+// Q5_1's min, the K-quants' -dmin * m; Q4_0's "- 8" and Q5_0's "- 16" are folded into its integers):
 //     w[i] = s[i / 16] * q[i] + off  =>  dot(w_blk, x_blk) = dx * (s . idot) + off * dx * sum(qx)
 // The offset terms of an output are one FMA chain over its blocks in block order (explicit
 // intrinsics: -ffast-math may not reorder them), then added to the output: beside the dot
@@ -45,7 +47,7 @@
 namespace {
 
 // GGMLQuantizationType values (gguf-py / ggml.h).
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct Format {
   int64_t block_elems, block_bytes;
@@ -55,6 +57,8 @@ bool format_of(int64_t qtype, Format* f) {
   switch (qtype) {
     case Q4_0: *f = {32, 18}; return true;
     case Q4_1: *f = {32, 20}; return true;
+    case Q5_0: *f = {32, 22}; return true;
+    case Q5_1: *f = {32, 24}; return true;
     case Q8_0: *f = {32, 34}; return true;
     case Q4_K: *f = {256, 144}; return true;
     case Q5_K: *f = {256, 176}; return true;
@@ -63,7 +67,7 @@ bool format_of(int64_t qtype, Format* f) {
   }
 }
 
-inline bool has_offsets(int64_t qtype) { return qtype == Q4_1 || qtype == Q4_K || qtype == Q5_K; }
+inline bool has_offsets(int64_t qtype) { return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K; }
 inline bool two_scales(int64_t qtype) { return qtype == Q6_K; }
 inline bool direct_format(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
@@ -93,17 +97,22 @@ void decode_row(int64_t qtype, const uint8_t* src, int64_t K, int16_t* q, float*
       }
       break;
     case Q4_0:
-    case Q4_1: {
-      const bool q41 = qtype == Q4_1;
-      const int bias = q41 ? 0 : 8;
-      for (int64_t b = 0; b < nb; ++b, src += q41 ? 20 : 18, q += 32) {
-        const uint8_t* qs = src + (q41 ? 4 : 2);
-        for (int l = 0; l < 16; ++l) {
-          q[l] = static_cast<int16_t>((qs[l] & 0xF) - bias);
-          q[l + 16] = static_cast<int16_t>((qs[l] >> 4) - bias);
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+      const bool min = qtype == Q4_1 || qtype == Q5_1, five = qtype == Q5_0 || qtype == Q5_1;
+      const int bias = min ? 0 : five ? 16 : 8;
+      const int64_t head = min ? 4 : 2, bytes = head + (five ? 4 : 0) + 16;
+      for (int64_t b = 0; b < nb; ++b, src += bytes, q += 32) {
+        uint32_t h = 0;  // Q5_x: bit l is element l's fifth bit
+        if (five) std::memcpy(&h, src + head, 4);
+        const uint8_t* qs = src + bytes - 16;
+        for (int l = 0; l < 16; ++l) {  // branch-free: gcc vectorizes it (variable shifts)
+          q[l] = static_cast<int16_t>(((qs[l] & 0xF) | (((h >> l) & 1) << 4)) - bias);
+          q[l + 16] = static_cast<int16_t>(((qs[l] >> 4) | (((h >> (l + 16)) & 1) << 4)) - bias);
         }
         sc[2 * b] = sc[2 * b + 1] = h2f(src);
-        off[b] = q41 ? h2f(src + 2) : 0.f;
+        off[b] = min ? h2f(src + 2) : 0.f;
       }
       break;
     }
@@ -448,9 +457,10 @@ constexpr int64_t kDecodeFromRows = 4;
 }  // namespace
 
 bool quant_gemm_supports(int64_t qtype) {
-  if (qtype == kInterleaved + Q4_0 || qtype == kInterleaved + Q4_1 || qtype == kInterleaved + Q8_0 ||
-      qtype == kInterleaved + Q4_K || qtype == kInterleaved + Q6_K)
-    return true;
+  switch (qtype - kInterleaved) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q6_K: return true;
+    default: break;
+  }
   Format f;
   return format_of(qtype, &f);
 }
@@ -458,7 +468,8 @@ bool quant_gemm_supports(int64_t qtype) {
 bool quant_gemm_simd() { return PAGEDLLM_QAVX2; }
 
 // x: [M, K] float32; w: [N, K / block_elems * block_bytes] uint8 (the GGUF rows, in order) -> [M, N] float32.
-// Interleaved Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (qtype kInterleaved + type) go to quant_gemm_interleaved.cpp.
+// Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K (qtype kInterleaved + type) go to
+// quant_gemm_interleaved.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   if (qtype >= kInterleaved) return quant_gemm_interleaved(x, w, qtype - kInterleaved);
   Format f;

@@ -1,4 +1,4 @@
-// y = x @ W^T for Q4_0 / Q4_1 / Q8_0 weights repacked eight rows at a time.
+// y = x @ W^T for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights repacked eight rows at a time.
 //
 // The row-at-a-time kernel (quant_gemm.cpp) spends a conversion, a multiply and an FMA per
 // output per block of 32: at many activation rows that float work, not the integer dot products,
@@ -7,23 +7,28 @@
 // one conversion + FMA then scales eight outputs at once; and a thread reads its weights as one
 // sequential stream (the row-at-a-time kernel reads four rows at once and draws ~9 GB/s from
 // memory at one activation row, this one ~16).
-//  - Q4_0 / Q4_1: int8 activation blocks of 32 (d = amax / 127; llama.cpp's q8_0 / q8_1 scheme):
-//    the 4-bit x int8 products (vpmaddubsw) of a whole block sum in 16 bits.
+//  - Q4_0 / Q4_1 / Q5_0 / Q5_1: int8 activation blocks of 32 (d = amax / 127; llama.cpp's q8_0 /
+//    q8_1 scheme), the unsigned 4- or 5-bit weights times int8 (vpmaddubsw / vpdpbusd).
 //  - Q8_0: int16 activation blocks (d = amax / 32767, as quant_gemm.cpp): 8-bit x 8-bit products
 //    do not sum in 16 bits, so int8 would save no instruction, and 16 bits keep the logits of a
 //    Q8_0 head close to float.
 //
-// Layout of one group of eight rows, per block b (the same bytes as the rows' eight GGUF blocks,
-// permuted; repacking is in place):
-//     [d of rows 0..7 (fp16)] [Q4_1: m of rows 0..7 (fp16)] [run 0..3: rows 0..7 x qs bytes 4c..4c+3]
-// A GGUF qs byte j holds element j (low nibble) and element j + 16
-// (high nibble), so run c unpacks to elements 4c..4c+3 and 16+4c..19+4c of each row, which meet the
-// activation bytes at the same offsets broadcast to every lane.
+// Layout of one group of eight rows, per block b (the size of the rows' eight GGUF blocks:
+// 144 / 160 / 176 / 192 / 272 bytes; repacking is in place):
+//     [d of rows 0..7 (fp16)] [Q4_1 / Q5_1: m of rows 0..7 (fp16)]
+//     [Q5_x: fifth bits, rows 0..7 x 4 bytes] [run 0..3: rows 0..7 x qs bytes 4c..4c+3]
+// A GGUF qs byte j holds element j (low nibble) and element j + 16 (high nibble), so run c
+// unpacks to elements 4c..4c+3 and 16+4c..19+4c of each row, which meet the activation bytes at
+// the same offsets broadcast to every lane. A Q5_x block's 32 fifth bits (qh: bit i of element
+// i) are transposed into four bytes, byte j bit k = element j + 4k: run c's low-nibble elements
+// at bit c of bytes 0..3, its high-nibble ones at bit 4 + c, in the lanes and bytes of their
+// nibbles; one 16-bit shift and a mask move them to 0x10 (group_kernel). Q4_x / Q8_0 blocks keep
+// their bytes (permuted), Q5_x their bits.
 //
 // Per output and block, in this order whatever the number of activation rows:
-//     i = sum(q_w * q_x) [Q4_0: - 8 * sum(q_x)]        (exact integers)
+//     i = sum(q_w * q_x) [Q4_0: - 8 * sum(q_x); Q5_0: - 16 * sum(q_x)]        (exact integers)
 //     acc = fma(float(i), d_w * d_x, acc)
-//     Q4_1: acc = fma(m_w, d_x * float(sum(q_x)), acc)
+//     Q4_1 / Q5_1: acc = fma(m_w, d_x * float(sum(q_x)), acc)
 // so an output is bit-identical whether its activation row comes alone or with 300 others.
 #include "entry_points.h"
 #include "quant_interleaved.h"
@@ -38,51 +43,95 @@
 namespace {
 namespace ilv {
 
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, kQ4K = 12, kQ6K = 14 };
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, kQ4K = 12, kQ6K = 14 };
 
-// A GGUF block: `fields` fp16 values (d; Q4_1: d, m), then `qs` bytes, regrouped in runs of `run`.
+// A GGUF block: `fields` fp16 values (d; Q4_1 / Q5_1: d, m), `qh` bytes of fifth bits (Q5_x), then
+// `qs` bytes, regrouped in runs of `run`.
 struct Layout {
-  int64_t fields, qs, run;
-  int64_t block_bytes() const { return 2 * fields + qs; }
+  int64_t fields, qh, qs, run;
+  int64_t block_bytes() const { return 2 * fields + qh + qs; }
 };
 
 Layout layout_of(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return {1, 16, 4};
-    case Q4_1: return {2, 16, 4};
-    case Q8_0: return {1, 32, 2};
-    default: TORCH_CHECK(false, "interleaved quant_gemm: only Q4_0, Q4_1 and Q8_0, not type ", qtype);
+    case Q4_0: return {1, 0, 16, 4};
+    case Q4_1: return {2, 0, 16, 4};
+    case Q5_0: return {1, 4, 16, 4};
+    case Q5_1: return {2, 4, 16, 4};
+    case Q8_0: return {1, 0, 32, 2};
+    default: TORCH_CHECK(false, "interleaved quant_gemm: only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not type ", qtype);
   }
+}
+
+// A Q5_x block's fifth bits (qh bit i: element i) <-> the group's order (byte j bit k: element
+// j + 4k, see the layout above).
+void move_fifth_bits(const uint8_t* from, uint8_t* to, bool to_group) {
+  uint8_t out[4] = {};
+  for (int i = 0; i < 32; ++i) {
+    const int g = 8 * (i % 4) + i / 4;  // element i's bit in the group's four bytes
+    const int s = to_group ? i : g, d = to_group ? g : i;
+    out[d / 8] |= static_cast<uint8_t>(((from[s / 8] >> (s % 8)) & 1) << (d % 8));
+  }
+  std::memcpy(to, out, 4);
 }
 
 // Row r (of eight) of a group <-> a GGUF row (nb blocks); `to_group` picks the direction.
 void permute_row(uint8_t* row, int64_t r, int64_t nb, const Layout& l, uint8_t* group, bool to_group) {
-  const int64_t bb = l.block_bytes(), sb = 2 * l.fields * kRows;
+  const int64_t bb = l.block_bytes(), sb = 2 * l.fields * kRows, qs = sb + l.qh * kRows;
   auto move = [to_group](uint8_t* g, uint8_t* w, int64_t n) { to_group ? std::memcpy(g, w, n) : std::memcpy(w, g, n); };
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* dst = group + b * kRows * bb;
     uint8_t* src = row + b * bb;
     for (int64_t f = 0; f < l.fields; ++f) move(dst + 16 * f + 2 * r, src + 2 * f, 2);
-    for (int64_t c = 0; c < l.qs / l.run; ++c) move(dst + sb + kRows * l.run * c + l.run * r, src + 2 * l.fields + l.run * c, l.run);
+    if (l.qh != 0) {
+      uint8_t* g = dst + sb + l.qh * r;
+      uint8_t* w = src + 2 * l.fields;
+      to_group ? move_fifth_bits(w, g, true) : move_fifth_bits(g, w, false);
+    }
+    for (int64_t c = 0; c < l.qs / l.run; ++c)
+      move(dst + qs + kRows * l.run * c + l.run * r, src + 2 * l.fields + l.qh + l.run * c, l.run);
   }
 }
 
+// The 4- / 5-bit formats' constants: weights unsigned (0..15 / 0..31), Q4_0 / Q5_0 centred by
+// subtracting kBias * sum(q_x), Q4_1 / Q5_1 adding their min.
+template <int64_t QT>
+struct Nibble {
+  static constexpr bool kMin = QT == Q4_1 || QT == Q5_1, kFive = QT == Q5_0 || QT == Q5_1;
+  static constexpr int32_t kBias = kMin ? 0 : kFive ? 16 : 8;
+  static constexpr int64_t kHigh = kMin ? 32 : 16;          // offset of the fifth bits in a group's block
+  static constexpr int64_t kQs = kHigh + (kFive ? 32 : 0);  // offset of the runs
+  static constexpr int64_t kBlockBytes = (kQs + 128) / kRows;  // of one row (the GGUF block)
+};
+
 #if PAGEDLLM_X8_AVX2
 // One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8].
-template <int MR, bool kQ41>
+template <int MR, int64_t QT>
 inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
-  constexpr int64_t bb = kQ41 ? 20 : 18, sb = kQ41 ? 32 : 16;
-  [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  using F = Nibble<QT>;
+  constexpr int64_t bb = F::kBlockBytes;
+  [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10),
+                                 ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = group + b * kRows * bb;
     prefetch_ahead<kRows * bb>(blk);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    [[maybe_unused]] const __m256i high =
+        F::kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kHigh)) : _mm256_setzero_si256();
     __m256i sums[MR];
+    [[maybe_unused]] __m256i pair[MR];
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + sb + 32 * c));
-      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kQs + 32 * c));
+      __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      if constexpr (F::kFive) {
+        // run c's fifth bits: bit c (low nibbles) and 4 + c (high) -> 0x10. A 16-bit shift: the
+        // bits it carries across a byte boundary land at bits 0..3 (left) or 5..7 (right), masked.
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
+      }
       for (int m = 0; m < MR; ++m) {
         const int8_t* xb = a.q + (m0 + m) * a.K + 32 * b;
 #if PAGEDLLM_X8_VNNI
@@ -91,10 +140,20 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
         sums[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero_or_sum, lo, ilv::broadcast4(xb + 4 * c)), hi,
                                       ilv::broadcast4(xb + 16 + 4 * c));
 #else
-        // <= 2 * 15 * 127 per product pair, two pairs per chunk, four chunks: 30480 < 2^15
+        // vpmaddubsw: two u8 x s8 products per int16 lane, |x| <= 127 (never -128)
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ilv::broadcast4(xb + 4 * c)),
                                            _mm256_maddubs_epi16(hi, ilv::broadcast4(xb + 16 + 4 * c)));
-        sums[m] = c == 0 ? p : _mm256_add_epi16(sums[m], p);
+        if constexpr (!F::kFive) {
+          // 4 bits: <= 2 * 15 * 127 per product pair, two pairs per run, four runs: 30480 < 2^15
+          sums[m] = c == 0 ? p : _mm256_add_epi16(sums[m], p);
+        } else if (c % 2 == 0) {
+          pair[m] = p;
+        } else {
+          // 5 bits: <= 2 * 31 * 127 per product pair, two pairs per run: two runs (31496) fit
+          // int16, four (62992) would not, so each two are widened to int32
+          const __m256i d32 = _mm256_madd_epi16(_mm256_add_epi16(pair[m], p), ones);
+          sums[m] = c == 1 ? d32 : _mm256_add_epi32(sums[m], d32);
+        }
 #endif
       }
     }
@@ -103,12 +162,12 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 #if PAGEDLLM_X8_VNNI
       __m256i dot = sums[m];
 #else
-      __m256i dot = _mm256_madd_epi16(sums[m], ones);
+      __m256i dot = F::kFive ? sums[m] : _mm256_madd_epi16(sums[m], ones);
 #endif
-      if (!kQ41) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * a.s[at]));
+      if (F::kBias != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(F::kBias * a.s[at]));
       const float dx = a.d[at];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
-      if (kQ41) {
+      if (F::kMin) {
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
         acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * static_cast<float>(a.s[at])), acc[m]);
       }
@@ -160,9 +219,10 @@ inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_
 }
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
-template <int MR, bool kQ41>
+template <int MR, int64_t QT>
 inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
-  constexpr int64_t bb = kQ41 ? 20 : 18, sb = kQ41 ? 32 : 16;
+  using F = Nibble<QT>;
+  constexpr int64_t bb = F::kBlockBytes;
   for (int m = 0; m < MR; ++m) {
     float acc[kRows] = {};
     for (int64_t b = 0; b < a.nb; ++b) {
@@ -174,12 +234,14 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
         int32_t dot = 0;
         for (int c = 0; c < 4; ++c)
           for (int j = 0; j < 4; ++j) {
-            const uint8_t v = blk[sb + 32 * c + 4 * r + j];
-            dot += (v & 0xF) * xb[4 * c + j] + (v >> 4) * xb[16 + 4 * c + j];
+            const uint8_t v = blk[F::kQs + 32 * c + 4 * r + j];
+            const int h = F::kFive ? blk[F::kHigh + 4 * r + j] : 0;  // bit c: element 4c + j, 4 + c: 16 + 4c + j
+            const int lo = (v & 0xF) | (((h >> c) & 1) << 4), hi = (v >> 4) | (((h >> (4 + c)) & 1) << 4);
+            dot += lo * xb[4 * c + j] + hi * xb[16 + 4 * c + j];
           }
-        if (!kQ41) dot -= 8 * a.s[at];
+        dot -= F::kBias * a.s[at];
         acc[r] = std::fma(static_cast<float>(dot), h2f(blk + 2 * r) * dx, acc[r]);
-        if (kQ41) acc[r] = std::fma(h2f(blk + 16 + 2 * r), dx * static_cast<float>(a.s[at]), acc[r]);
+        if (F::kMin) acc[r] = std::fma(h2f(blk + 16 + 2 * r), dx * static_cast<float>(a.s[at]), acc[r]);
       }
     }
     std::memcpy(y + (m0 + m) * ldy, acc, sizeof(acc));
@@ -213,7 +275,7 @@ inline void run_group(const uint8_t* group, const A& a, int64_t m0, float* y, in
   if constexpr (QT == Q8_0) {
     group_kernel_q8<MR>(group, a, m0, y, ldy);
   } else {
-    group_kernel<MR, QT == Q4_1>(group, a, m0, y, ldy);
+    group_kernel<MR, QT>(group, a, m0, y, ldy);
   }
 }
 
@@ -228,7 +290,8 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 }  // namespace ilv
 }  // namespace
 
-// Q4_0 / Q4_1 / Q8_0: repacked in place (the same bytes, permuted), returns w; Q4_K, Q6_K: a new
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: repacked in place (the same bytes, permuted; Q5_x's fifth bits
+// transposed), returns w; Q4_K, Q6_K: a new
 // tensor (quant_gemm_q4k.cpp: its scales unpacked; quant_gemm_q6k.cpp: regrouped).
 torch::Tensor quant_interleave_rows(torch::Tensor w, int64_t qtype) {
   if (qtype == ilv::kQ4K) return quant_q4k_interleave(w);
@@ -294,10 +357,14 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   };
   if (qtype == ilv::Q8_0) {
     run(std::integral_constant<int64_t, ilv::Q8_0>{}, ilv::quantize_activations<int16_t, 32767>(xp, M, K, false));
-  } else if (qtype == ilv::Q4_1) {
-    run(std::integral_constant<int64_t, ilv::Q4_1>{}, ilv::quantize_activations<int8_t, 127>(xp, M, K, true));
-  } else {
-    run(std::integral_constant<int64_t, ilv::Q4_0>{}, ilv::quantize_activations<int8_t, 127>(xp, M, K, true));
+    return y;
+  }
+  const auto act = ilv::quantize_activations<int8_t, 127>(xp, M, K, true);
+  switch (qtype) {
+    case ilv::Q4_0: run(std::integral_constant<int64_t, ilv::Q4_0>{}, act); break;
+    case ilv::Q4_1: run(std::integral_constant<int64_t, ilv::Q4_1>{}, act); break;
+    case ilv::Q5_0: run(std::integral_constant<int64_t, ilv::Q5_0>{}, act); break;
+    default: run(std::integral_constant<int64_t, ilv::Q5_1>{}, act); break;
   }
   return y;
 }

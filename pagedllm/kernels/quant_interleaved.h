@@ -1,6 +1,7 @@
 // What the kernels of weights repacked eight rows at a time share (quant_gemm_interleaved.cpp:
-// Q4_0 / Q4_1 / Q8_0; quant_gemm_q4k.cpp: Q4_K): the activation rows quantized once per call,
-// broadcasts of activation bytes to every row lane, and the weight-stream prefetch.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0; quant_gemm_q4k.cpp: Q4_K; quant_gemm_q6k.cpp: Q6_K): the
+// activation rows quantized once per call, broadcasts of activation bytes to every row lane, and
+// the weight-stream prefetch.
 #pragma once
 
 #include "common.h"
@@ -50,7 +51,8 @@ inline void grow(std::vector<T>& v, int64_t n) {
 }
 
 // The call's activation rows, quantized once and shared by every thread (scratch kept per thread
-// between calls); with_sums: also s = sum(q) per block (Q4_0's - 8 and Q4_1's min need it).
+// between calls); with_sums: also s = sum(q) per block (Q4_0's - 8, Q5_0's - 16 and the mins
+// need it).
 template <class Q, int kMax>
 Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool with_sums) {
   const int64_t nb = K / 32;

@@ -7,10 +7,10 @@ of input columns for a row-parallel one. These helpers cut either kind the same 
 A GGUF matrix stays in the file's quantized blocks (``BlockRows``) until its layer decides how it
 runs: rows of self-contained blocks (each carries its own scales), so a shard is made of whole
 blocks of the file, never requantized. Rows move as they are; input columns must start and end on
-block boundaries (32 values for Q4_0 / Q4_1 / Q8_0, 256 for the K-quants: gguf's
-GGML_QUANT_SIZES). The integer kernels quantize the activations in blocks of 32 too, so a rank's
-partial sum is exactly those blocks' terms of the full dot product; only the order of the fp32
-additions (the all-reduce) differs.
+block boundaries (32 values for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, 256 for the K-quants:
+gguf's GGML_QUANT_SIZES). The integer kernels quantize the activations in blocks of 32 too, so a
+rank's partial sum is exactly those blocks' terms of the full dot product; only the order of the
+fp32 additions (the all-reduce) differs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The weights of a GGUF file as a stream of (Hugging Face name, tensor) for ``load_weights``.
 
 The file is read through its memory map one tensor at a time (gguf_tensors.py). A matrix in a
-block format with an integer kernel (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K) comes as
-``BlockRows`` (the file's bytes; the layer that takes it keeps them, never a float copy); float
+block format with an integer kernel (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K;
+llama.cpp's K-quant mixes hold Q5_0 / Q5_1 / Q8_0 tensors wherever a row is not a multiple of 256)
+comes as ``BlockRows`` (the file's bytes; the layer that takes it keeps them, never a float copy); float
 tensors (norms, F32 / F16 / BF16 matrices) come as float tensors. A tensor in a block format
-without an integer kernel (Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS ...: llama.cpp's K-quant mixes
-hold Q5_0 / Q8_0 tensors wherever a row is not a multiple of 256) comes dequantized to float,
-named in one log line. Config and tokenizer come from the metadata-only conversion
+without an integer kernel (Q2_K, Q3_K, IQ4_NL, IQ4_XS ...) comes dequantized to float, named in
+one log line. Config and tokenizer come from the metadata-only conversion
 (``resolve_model_path(..., weights=False)``).
 
 What is GGUF's own stays here: the name map and the metadata (gguf_arch.py), and llama.cpp's
@@ -38,7 +38,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 @functools.cache
 def _dequantizable(qtype: int) -> bool:
-    """Whether gguf-py dequantizes this block format (Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, ...):
+    """Whether gguf-py dequantizes this block format (Q2_K, Q3_K, IQ4_NL, IQ4_XS, ...):
     a tensor in a format without an integer kernel then loads as floats rather than failing."""
     from gguf.quants import dequantize
 
@@ -62,7 +62,7 @@ def _float_values(name: str, qtype: int, data: np.ndarray, shift: float) -> torc
 
 def _log_dequantized(counts: dict[str, dict[str, int]]) -> None:
     """One line naming the tensors whose format has no integer kernel (dequantized at load), by
-    kind: "Q5_0: 81 tensors (attn_k x18, attn_q x18, ...)"."""
+    kind: "Q3_K: 36 tensors (attn_k x18, attn_q x18)"."""
     if counts:
         logger.warning(
             "pagedllm: no integer kernel for these tensors' formats; they load dequantized to float: %s",

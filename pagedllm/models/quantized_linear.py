@@ -2,10 +2,11 @@
 
 A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_bytes] uint8, and
 never a float copy. ``forward`` runs the compiled integer kernel where it handles the format:
-Q4_0 / Q4_1 / Q8_0 weights are repacked eight rows at a time (the same bytes, permuted; as
-llama.cpp repacks Q4_0) for kernels/quant_gemm_interleaved.cpp (int8 activations for Q4_x, int16
-for Q8_0); Q4_K likewise, its 6-bit scales unpacked to bytes (kernels/quant_gemm_q4k.cpp, int8
-activations); Q5_K and Q6_K keep the file's order for kernels/quant_gemm.cpp, int16 activations.
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights are repacked eight rows at a time (the same bytes,
+permuted, Q5_x's fifth bits transposed; as llama.cpp repacks Q4_0) for
+kernels/quant_gemm_interleaved.cpp (int8 activations for Q4_x / Q5_x, int16 for Q8_0); Q4_K
+likewise, its 6-bit scales unpacked to bytes (kernels/quant_gemm_q4k.cpp, int8 activations); Q5_K
+and Q6_K keep the file's order for kernels/quant_gemm.cpp, int16 activations.
 Without kernels the reference path dequantizes the layer for this call only (gguf-py's own
 dequantizer, independent of the kernels) and runs F.linear. The reference is what the kernels are tested against.
 """
@@ -27,6 +28,8 @@ QUANTIZED_TYPES = frozenset(
     for t in (
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
@@ -51,7 +54,7 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W as GGUF blocks. ``kernels``: the compiled CPU kernels, or None
-    for the reference path. The layer owns ``qweight``: with the kernels, Q4_0 / Q4_1 / Q8_0 rows are
+    for the reference path. The layer owns ``qweight``: with the kernels, Q4_x / Q5_x / Q8_0 rows are
     repacked in place (no second copy while a model loads) unless ``interleave=False``."""
 
     def __init__(
