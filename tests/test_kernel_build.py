@@ -179,3 +179,35 @@ def test_lower_levels_pass_the_kernel_tests(level):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
     KERNEL_LEVEL_RESULTS.append(f"{level}: {result.stdout.strip().splitlines()[-1]}")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_finished_build_that_no_longer_loads_is_built_again(damage, tmp_path, monkeypatch):
+    """A BUILT marker beside a library that does not load (truncated by a full disk, deleted by a
+    cache cleaner) used to send every later start to the reference path: the build is redone
+    once, under the build lock, and marked finished again."""
+    import types
+
+    import torch.utils.cpp_extension
+
+    from pagedllm.kernels import build
+
+    monkeypatch.setenv("PAGEDLLM_KERNEL_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDLLM_KERNELS_INCREMENTAL", raising=False)
+    name = build.build_name("portable")
+    build_dir = tmp_path / name
+    build_dir.mkdir()
+    (build_dir / "BUILT").write_text("1 s\n")
+    if damage == "truncated":
+        (build_dir / f"{name}.so").write_bytes(b"\x7fELF")
+    rebuilt = types.ModuleType(name)
+    calls = []
+
+    def fake_load(**kw):  # stands in for the minutes-long compile
+        calls.append(kw["build_directory"])
+        return rebuilt
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    assert build.load_level("portable") is rebuilt
+    assert calls == [str(build_dir)]
+    assert (build_dir / "BUILT").exists()

@@ -166,17 +166,30 @@ def _import(name: str, build_dir: Path) -> ModuleType:
     return module
 
 
+def _import_built(name: str, build_dir: Path, done: Path) -> ModuleType | None:
+    """The finished build's module, or None (and the build marked unfinished) when it does not
+    load: a library truncated or deleted since (a full disk, a cache cleaner) would otherwise
+    send every later start to the slow reference path, with nothing that rebuilds it."""
+    try:
+        return _import(name, build_dir)
+    except (ImportError, OSError, StopIteration) as e:
+        logger.warning("pagedllm: the kernel build in %s does not load (%s); building it again", build_dir, e)
+        done.unlink(missing_ok=True)
+        return None
+
+
 def load_level(level: str, verbose: bool = False) -> ModuleType:
-    """The compiled kernel module of ``level``, built first if this machine has no build of it."""
+    """The compiled kernel module of ``level``, built first if this machine has no build of it
+    (or its build no longer loads)."""
     name = build_name(level)
     build_dir = cache_root() / name
     done = build_dir / "BUILT"  # written after a build that finished: a killed one leaves none
     incremental = name.startswith("pagedllm_kernels_dev_")
-    if done.exists() and not incremental:
-        return _import(name, build_dir)
+    if done.exists() and not incremental and (module := _import_built(name, build_dir, done)) is not None:
+        return module
     with BuildLock(cache_root() / f"{name}.lock"):
-        if done.exists() and not incremental:
-            return _import(name, build_dir)  # another process built it while we waited
+        if done.exists() and not incremental and (module := _import_built(name, build_dir, done)) is not None:
+            return module  # another process built it while we waited
         from torch.utils.cpp_extension import load
 
         build_dir.mkdir(parents=True, exist_ok=True)
