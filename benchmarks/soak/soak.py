@@ -5,11 +5,14 @@ Starts the server on a model (default: the default model, smollm2-135m-instruct)
 as soon as the last ends, so the server runs at its saturation rate). Of the requests, about
 --disconnect-frac are good streams the client drops mid-stream and about --bad-frac are bad
 requests (wrong types, out-of-range values, surrogates, unknown model, malformed JSON); the rest
-are good streams read to [DONE]. Afterwards it checks:
+are good streams read to [DONE]; about --costly-frac are the amplification review's request classes
+(costly_requests.py), each checked against its contract. Afterwards it checks:
 
   * no 5xx (nor an error event in a stream) to any good request; every bad request a 4xx;
   * no leaked KV blocks once idle (/stats: num_free_kv_blocks == num_kv_blocks);
   * the server's RSS, sampled every --sample-s, and its slope over the run after the warm-up;
+  * with --baseline (a run without bad or costly requests), the p99 latency of completed good
+    streams within 2x of that run's;
 
 and writes JSON + markdown to benchmarks/results/soak/ (named after the duration). Exit status 1
 when a check fails.
@@ -37,6 +40,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from costly_requests import pick as pick_costly
+from costly_requests import send as send_costly
+from soak_report import markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPICS = [
@@ -78,7 +84,10 @@ class Tally:
     bad_5xx: int = 0
     bad_other_status: dict[str, int] = field(default_factory=dict)
     completion_tokens: int = 0
+    costly: dict[str, int] = field(default_factory=dict)  # the amplification classes sent, by name
+    costly_unexpected: int = 0  # answered other than their contract (a 5xx, a cut stream, ...)
     ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)  # completed good streams, end to end
     examples: list[str] = field(default_factory=list)  # the first few failures, for the report
 
     def note(self, what: str) -> None:
@@ -165,6 +174,7 @@ async def good_stream(c: httpx.AsyncClient, path: str, body: dict, tally: Tally,
                 tally.completion_tokens += event["usage"]["completion_tokens"]
     if drop_after is None:
         tally.good_ok += 1
+        tally.latency_s.append(time.monotonic() - t0)
 
 
 async def client_loop(i: int, base_url: str, model: str, args, deadline: float, tally: Tally) -> None:
@@ -174,6 +184,17 @@ async def client_loop(i: int, base_url: str, model: str, args, deadline: float, 
         while time.monotonic() < deadline:
             roll = rng.random()
             try:
+                if roll >= 1 - args.costly_frac:
+                    kind = pick_costly(rng)
+                    tally.costly[kind.name] = tally.costly.get(kind.name, 0) + 1
+                    try:
+                        what = await send_costly(c, kind, rng, model)
+                    except httpx.TransportError as e:
+                        what = f"{kind.name}: transport error: {type(e).__name__}: {e}"
+                    if what is not None:
+                        tally.costly_unexpected += 1
+                        tally.note(what)
+                    continue
                 if roll < args.bad_frac:
                     tally.bad += 1
                     path, raw = rng.choice(BAD_BODIES)
@@ -244,6 +265,14 @@ def wait_idle(base_url: str, timeout: float = 120) -> dict:
         time.sleep(0.2)
 
 
+def machine() -> dict:
+    """The CPU the soak ran on (results of one machine kind are not compared with another's)."""
+    from pagedllm.kernels.build import cpu_flags, cpu_model
+
+    isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
+    return {"cpu": cpu_model(), "isa_flags": isa, "cores": os.cpu_count()}
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -258,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--disconnect-frac", type=float, default=0.10)
     p.add_argument("--bad-frac", type=float, default=0.05)
+    p.add_argument("--costly-frac", type=float, default=0.0, help="amplification requests (costly_requests.py)")
+    p.add_argument("--grammar-cache-mb", type=float, default=None, help="the server's PAGEDLLM_GRAMMAR_CACHE_MB")
+    p.add_argument("--max-rss-slope", type=float, default=0.2, help="MiB/min after the warm-up (a check)")
+    p.add_argument("--baseline", default=None, help="a soak result without bad requests: p99 latency within 2x")
     p.add_argument("--max-tokens", type=int, default=128, help="good requests ask for max_tokens/4 .. this")
     p.add_argument("--sample-s", type=float, default=5.0, help="RSS and /stats sampling period")
     p.add_argument("--warmup-frac", type=float, default=0.2, help="leading part of the run left out of the RSS slope")
@@ -281,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.model, "--port", str(port)]
     cmd += ["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args.serve_args]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.grammar_cache_mb is not None:
+        env["PAGEDLLM_GRAMMAR_CACHE_MB"] = str(args.grammar_cache_mb)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
@@ -311,16 +346,32 @@ def main(argv: list[str] | None = None) -> int:
         "no_leaked_kv_blocks": leaked == 0,
         "no_step_errors": idle.get("num_step_errors", 0) == 0,
         "healthy_afterwards": health == 200,
+        "costly_requests_as_contracted": tally.costly_unexpected == 0,
+        "rss_slope_after_warmup_within_bound": slope_per_min(warm) <= args.max_rss_slope,
     }
+    if args.baseline:
+        with open(args.baseline) as f:
+            base = json.load(f)
+        checks["good_p99_latency_within_2x_of_baseline"] = pct(tally.latency_s, 0.99) <= 2 * base["latency_s"]["p99"]
     result = {
-        "label": f"{args.minutes:g}-minute run" + (" (a smoke check, not the 30-minute soak)" * (args.minutes < 30)),
+        "label": f"{args.minutes:g}-minute run"
+        + (" (a baseline: no bad or costly requests)" if args.bad_frac == 0 == args.costly_frac else "")
+        + (
+            " (a smoke check, not a 30-minute soak)"
+            if args.minutes < 30 and (args.bad_frac or args.costly_frac)
+            else ""
+        ),
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "lock")},
+        "command": " ".join(["python3 benchmarks/soak/soak.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine(),
         "duration_s": round(elapsed, 1),
         "server_startup_s": round(startup_s, 1),
-        "tally": {k: v for k, v in asdict(tally).items() if k != "ttft_s"},
+        "tally": {k: v for k, v in asdict(tally).items() if k not in ("ttft_s", "latency_s")},
         "requests_per_s": round((tally.good + tally.disconnects + tally.bad) / elapsed, 2),
         "completion_tokens_per_s": round(tally.completion_tokens / elapsed, 1),
         "ttft_s": {"p50": round(pct(tally.ttft_s, 0.5), 3), "p99": round(pct(tally.ttft_s, 0.99), 3)},
+        "latency_s": {"p50": round(pct(tally.latency_s, 0.5), 3), "p99": round(pct(tally.latency_s, 0.99), 3)},
+        "baseline": args.baseline and os.path.basename(args.baseline),
         "kv_blocks": {"total": idle["num_kv_blocks"], "free_when_idle": idle["num_free_kv_blocks"], "leaked": leaked},
         "stats_when_idle": idle,
         "rss_mib": {
@@ -340,44 +391,6 @@ def main(argv: list[str] | None = None) -> int:
         f.write(markdown(result))
     print(markdown(result))
     return 0 if result["passed"] else 1
-
-
-def markdown(r: dict) -> str:
-    t, rss, kv = r["tally"], r["rss_mib"], r["kv_blocks"]
-    a = r["args"]
-    lines = [
-        f"# Soak: {r['label']}",
-        "",
-        f"`python3 benchmarks/soak/soak.py --minutes {a['minutes']:g}` on `{a['model']}`: {a['clients']} concurrent "
-        f"streaming clients (closed loop, the server's saturation rate), ~{a['disconnect_frac']:.0%} dropped "
-        f"mid-stream, ~{a['bad_frac']:.0%} bad requests; good requests ask for "
-        f"{a['max_tokens'] // 4}..{a['max_tokens']} tokens.",
-        "",
-        f"**{'PASSED' if r['passed'] else 'FAILED'}** in {r['duration_s']:.0f} s of load "
-        f"(server start {r['server_startup_s']:.0f} s).",
-        "",
-        "| check | result |",
-        "|---|---|",
-        *(f"| {k} | {'ok' if v else '**FAILED**'} |" for k, v in r["checks"].items()),
-        "",
-        "| measure | value |",
-        "|---|---|",
-        f"| good streams completed | {t['good_ok']} / {t['good']} |",
-        f"| good requests answered 5xx / stream error events | {t['good_5xx']} / {t['good_stream_errors']} |",
-        f"| good requests, other status / transport errors | {t['good_other_status'] or 0} / "
-        f"{t['good_transport_errors']} |",
-        f"| streams dropped mid-stream by the client | {t['disconnects']} |",
-        f"| bad requests: 4xx / 5xx | {t['bad_4xx']} / {t['bad_5xx']} of {t['bad']} |",
-        f"| requests/s (all kinds) | {r['requests_per_s']} |",
-        f"| completion tokens/s (completed streams) | {r['completion_tokens_per_s']} |",
-        f"| time to first token p50 / p99 | {r['ttft_s']['p50']} s / {r['ttft_s']['p99']} s |",
-        f"| KV blocks leaked once idle | {kv['leaked']} of {kv['total']} |",
-        f"| server RSS start / max / end | {rss['start']} / {rss['max']} / {rss['end']} MiB |",
-        f"| RSS slope after the first {rss['warmup_s']:.0f} s | {rss['slope_mib_per_min_after_warmup']} MiB/min |",
-    ]
-    if t["examples"]:
-        lines += ["", "First failures:", "", *(f"- `{e}`" for e in t["examples"])]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
