@@ -5,8 +5,10 @@ tokens follow transformers' on the file dequantized: exactly on the float path, 
 integer kernels (which round activations per block) until a near-tie.
 
 The thresholds come from benchmarks/results/gemma3_270m_agreement (both kernel levels of an AVX2
-machine): the kernels move the logit difference of two near-top tokens by at most 0.16, and the
-only divergences there were at reference gaps of 0.014.
+machine, Q5_0 on its kernel): the divergences there were at reference gaps of 0.014 and 0.071.
+The kernels move the logit difference of two near-top tokens (margin < 1) by up to 0.36, more
+than NEAR_TIE: a divergence at a gap between the two would fail here without being a bug (none
+was seen; with Q5_0 dequantized the most was 0.16).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ pytest.importorskip(PACKAGE, reason="the file ships in the dev extra gemma3-270m
 # Every prompt's reference takes its first 8 steps by a margin of NEAR_TIE or more (PROMPTS): no
 # rounding of the size measured flips those, on any instruction set. (Measured: 11 at the least.)
 MIN_AGREED = 8
-# |our logprob - the reference's| of each agreed token; measured: 0.15 at the most
+# |our logprob - the reference's| of each agreed token; measured: 0.24 at the most
 LOGPROB_ERROR = 0.3
 
 

@@ -2,7 +2,7 @@
 
 For each kernel level this machine runs (PAGEDLLM_ISA), in a child process: the file under the
 default settings (its Q4_K / Q6_K / Q8_0 matrices on the integer kernels, which round activations
-to int8 or int16 per block; Q5_0 dequantized at load) and pagedllm's float path on it
+to int8 or int16 per block; Q5_0 on its kernel too) and pagedllm's float path on it
 (quantization=None: every matrix dequantized at load). Then, per prompt, against transformers'
 Gemma3ForCausalLM in float32 on the same weights dequantized (tests/gemma3_real_file.py): the
 tokens agreeing before the first divergence, the reference's logit gap there (its own top token
@@ -141,7 +141,7 @@ def write_markdown(results: dict) -> None:
         "# Gemma 3 270M Q4_K_M (a real download): greedy agreement with transformers",
         "",
         f"{len(PROMPTS)} raw-text prompts, {NEW_TOKENS} greedy tokens each, default engine settings "
-        "(`LLM(model=file)`: Q4_K / Q6_K / Q8_0 on the integer kernels, Q5_0 dequantized at load) and "
+        "(`LLM(model=file)`: Q4_K / Q6_K / Q8_0 / Q5_0 on the integer kernels, nothing dequantized) and "
         "the float path (`quantization=None`), against transformers' Gemma3ForCausalLM (float32) on the "
         "file dequantized. *agreed*: tokens equal before the first divergence; *gap*: the reference's "
         "logit of its own token minus that of ours at the divergence; *near-tie*: the reference's first "
