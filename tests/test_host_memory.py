@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -145,3 +146,43 @@ def test_copy_to_huge_pages_keeps_values_shapes_and_alignment(monkeypatch):
     assert copies[0].data_ptr() < copies[1].data_ptr() < copies[2].data_ptr()
     monkeypatch.setenv("PAGEDLLM_NO_HUGE_PAGES", "1")
     assert host_memory.copy_to_huge_pages(src) is None
+
+
+def test_periodic_heap_release_trims_at_most_once_per_interval():
+    now = [0.0]
+    trims = []
+    release = host_memory.PeriodicHeapRelease(
+        interval_s=60.0, release=lambda: trims.append(now[0]) or True, clock=lambda: now[0]
+    )
+    for t in (1.0, 59.9, 60.0, 61.0, 119.9, 120.0, 500.0):
+        now[0] = t
+        release.maybe_release()
+    assert trims == [60.0, 120.0, 500.0]
+    assert release.releases == 3
+
+
+_FRAGMENTED_HEAP_PROBE = """
+import resource, sys
+from pagedllm import host_memory
+
+def rss_mib():
+    return int(open('/proc/self/statm').read().split()[1]) * resource.getpagesize() / 2**20
+
+assert host_memory.keep_freed_memory_in_heap()
+chunks = [bytearray(1 << 20) for _ in range(200)]  # 200 MiB on the heap (below the mmap threshold)
+pin = bytearray(1 << 10)  # above them: the heap's top cannot shrink past it
+del chunks
+before = rss_mib()
+assert host_memory.release_freed_heap()
+print(before - rss_mib())
+"""
+
+
+def test_release_freed_heap_returns_freed_memory_below_the_heap_top():
+    """What PeriodicHeapRelease relies on: with the thresholds that keep freed memory in the heap,
+    memory freed under a live block stays resident until malloc_trim hands its pages back."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc_trim only")
+    out = subprocess.run([sys.executable, "-c", _FRAGMENTED_HEAP_PROBE], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) > 150  # MiB of the 200 freed

@@ -308,6 +308,20 @@ def test_echo_logprobs_and_prompt_logprobs(client, tokenizer):
     assert [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices][0] == plp
 
 
+def test_stream_events_are_one_line_for_any_line_reader(server):
+    """U+0085, U+2028 and U+2029 are line ends to str.splitlines() and so to httpx's iter_lines
+    (which SSE clients read with): the server escapes them in its events' JSON."""
+    prompt = "a\u2028b\x85c\u2029d"
+    body = dict(model=MODEL_NAME, prompt=prompt, max_tokens=2, echo=True, stream=True, temperature=0)
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).startswith(prompt)
+
+
 def test_echo_stop_seed(client):
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     assert out.choices[0].text.startswith(PROMPT)

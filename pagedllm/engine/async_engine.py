@@ -19,6 +19,9 @@ at most once per ``STATS_INTERVAL_S`` while it steps, and after every step that 
 that include it). A scrape reads the latest snapshot and never waits on, or wakes, the engine
 thread: a flood of scrapes cannot slow the steps.
 
+Host memory: between steps, at most once a minute, the thread hands the heap's free pages back to
+the OS (host_memory.PeriodicHeapRelease), so RSS follows live memory rather than its peak.
+
 Fault containment: a step that raises is retried on subsets of the requests it scheduled
 (bisection, ``LLMEngine.step(only_requests=...)``; the others keep their blocks and wait) until
 one request is found that fails alone. That request alone is failed (its stream raises
@@ -46,6 +49,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
+from pagedllm.host_memory import PeriodicHeapRelease
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -77,6 +81,7 @@ class AsyncLLMEngine:
         self.num_step_errors = 0  # steps that raised, retries included
         self.consecutive_step_failures = 0  # failed (non-retry) steps since the last good step
         self.max_step_failures = 3
+        self.heap_release = PeriodicHeapRelease()  # RSS must not ratchet up over days of serving
         # Called (from the engine thread) when the thread dies of an exception, not on shutdown().
         self.on_dead: Callable[[BaseException], None] | None = None
 
@@ -366,8 +371,10 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     if changed:  # an add or abort the engine took without a step since
                         self._publish_stats(force=True)
-                    self._wake.wait()
+                    self.heap_release.maybe_release()
+                    self._wake.wait(self.heap_release.interval_s)  # wakes to trim what the last steps freed
                     continue
+                self.heap_release.maybe_release()
                 if not self._step():
                     # Pause briefly (commands still wake us): should the engine keep requests we
                     # could not abort, failing steps must not spin the CPU.
