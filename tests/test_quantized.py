@@ -23,6 +23,7 @@ ROWS = (1, 7, 64, 300)
 INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K)
 REPACKED_IN_PLACE = (T.Q4_0, T.Q4_1, T.Q8_0)  # the same bytes, permuted (Q4_K's scales are unpacked)
 FIFTH_BITS_TRANSPOSED = (T.Q5_0, T.Q5_1)  # in place, the same bits permuted (within each block's qh)
+FINE_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # interleaved, inputs with a scale per 16 (down_proj)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,10 @@ def assert_kernel_arithmetic(y, x, wf, activations: tuple[torch.Tensor, torch.Te
     assert torch.all((y.double() - ref).abs() <= bound * (1 + 1e-4) + 2e-5 * scale + 1e-6)
 
 
-def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The interleaved kernel's activations: per block of 32, d = amax / 127, q = round(x / d) as
-    int8. Returns (dequantized x, per-element rounding bound d / 2)."""
-    b = x.reshape(x.shape[0], -1, 32)
+def q8_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The interleaved kernel's activations: per block of 32 (fine scales: 16), d = amax / 127,
+    q = round(x / d) as int8. Returns (dequantized x, per-element rounding bound d / 2)."""
+    b = x.reshape(x.shape[0], -1, block)
     amax = b.abs().amax(-1, keepdim=True)
     q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
     return (q * (amax / 127)).reshape(x.shape), (amax / 254).expand_as(b).reshape(x.shape)
@@ -109,6 +110,47 @@ def test_interleaved_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, r
     assert y.shape == (rows, n) and y.dtype == torch.float32
     # activations: int8 for Q4_x / Q5_x / K-quants, int16 for Q8_0
     assert_kernel_arithmetic(y, x, wf, q16_activations(x) if qtype == T.Q8_0 else q8_activations(x))
+
+
+def fine(kernels, w: torch.Tensor, qtype) -> tuple[torch.Tensor, int]:
+    """(a repacked copy of GGUF rows w, quant_gemm's code for it with fine input scales)."""
+    p, _ = interleaved(kernels, w, qtype)
+    return p, kernels.fine_scales_qtype(int(qtype))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", FINE_SCALES, ids=lambda t: t.name)
+def test_fine_scales_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, rows):
+    n, k = 80, 512
+    w, wf = make_weight(qtype, n, k, seed=rows)
+    p, code = fine(kernels, w, qtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = kernels.quant_gemm(x, p, code)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert_kernel_arithmetic(y, x, wf, q8_activations(x, block=16))
+
+
+@pytest.mark.parametrize("qtype", FINE_SCALES, ids=lambda t: t.name)
+def test_fine_scales_round_outliers_closer(kernels, qtype):
+    """Inputs as down_proj's: one large value per 32. Each 16's own scale leaves the other half its
+    full int8 range, so the products land closer to the float ones than with a scale per 32."""
+    w, wf = make_weight(qtype, 64, 1024, seed=11)
+    p, code = fine(kernels, w, qtype)
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(12)) * 0.05
+    x[:, ::32] = 20.0  # the first element of every block of 32: the low half's 16 only
+    ref = x.double() @ wf.double().T
+    err_fine = (kernels.quant_gemm(x, p, code).double() - ref).abs().mean()
+    err_coarse = (kernels.quant_gemm(x, p, kernels.interleaved_qtype(int(qtype))).double() - ref).abs().mean()
+    assert err_fine < 0.7 * err_coarse, (err_fine, err_coarse)
+
+
+def test_fine_scales_only_for_the_nibble_formats(kernels):
+    assert [kernels.fine_scales_qtype(int(t)) is not None for t in FORMATS] == [t in FINE_SCALES for t in FORMATS]
+    for qtype in FORMATS:
+        w, _ = make_weight(qtype, 16, 256)
+        layer = QuantizedLinear(w, int(qtype), 256, None, kernels, fine_input_scales=True)
+        assert layer.fine_input_scales == (qtype in FINE_SCALES)
+        assert not QuantizedLinear(w.clone(), int(qtype), 256, None, kernels).fine_input_scales
 
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: t.name)
@@ -135,11 +177,14 @@ def test_interleaving_permutes_the_file_bytes(kernels, qtype):
         kernels.quant_interleave_rows(w[:20].clone(), int(qtype))
 
 
+@pytest.mark.parametrize("fine_scales", [False, True], ids=["per32", "per16"])
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: t.name)
-def test_interleaved_rows_do_not_depend_on_the_call(kernels, qtype):
+def test_interleaved_rows_do_not_depend_on_the_call(kernels, qtype, fine_scales):
     """As below, for the interleaved kernel (micro-kernels of 1-4 rows, groups split over threads)."""
+    if fine_scales and qtype not in FINE_SCALES:
+        pytest.skip("no fine input scales for this format")
     w, _ = make_weight(qtype, 40, 256, seed=3)
-    p, code = interleaved(kernels, w, qtype)
+    p, code = (fine if fine_scales else interleaved)(kernels, w, qtype)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(4))
     full = kernels.quant_gemm(x, p, code)
     for start, count in ((0, 1), (5, 1), (299, 1), (3, 2), (10, 3), (20, 7), (100, 64)):
@@ -326,6 +371,13 @@ def test_native_load_interleaves_the_formats_with_that_kernel(gguf_files, kernel
     assert [m.interleaved for m in layers] == expected
     assert any(expected)
     assert all(m.interleaved for m in layers) == (which == "legacy")  # the K-quant file: Q5_K too
+    # fine input scales: the MLP's down projection only, where its format has them
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    nibbles = {int(t) for t in FINE_SCALES}
+    assert [m.fine_input_scales for _, m in named] == [
+        "mlp.down_proj" in n and m.qtype in nibbles and m.interleaved for n, m in named
+    ]
+    assert any(m.fine_input_scales for _, m in named) == (which == "legacy")
 
 
 def test_quantization_flag_validation(tiny_llama):

@@ -1,7 +1,8 @@
 """Milliseconds per call of quant_gemm at a 1.7B-shape layer (2048 -> 8192, the MLP's up
-projection) by weight format and kernel layout, at 1 / 32 / 512 activation rows; the weights'
-GB/s at one row. Random blocks (speed does not depend on the values). Last, the same GEMM on
-float32 weights (F.linear): what a format without a kernel runs, dequantized at load.
+projection) by weight format and kernel layout (interleaved/16: inputs with a scale per 16, as
+down_proj runs), at 1 / 32 / 512 activation rows; the weights' GB/s at one row. Random blocks
+(speed does not depend on the values). Last, the same GEMM on float32 weights (F.linear): what a
+format without a kernel runs, dequantized at load.
 
     cd benchmarks/probes && flock /tmp/pagedllm-bench.lock python3 quant_gemm_formats.py
 """
@@ -55,12 +56,16 @@ def report(name: str, gemm, nbytes: int) -> None:
 def main() -> None:
     kernels = load_cpu_kernels()
     print(f"kernels: {kernels.compiled_isa()}, threads {torch.get_num_threads()}")
-    for qtype in (T.Q4_0, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K):
+    for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K):
         w = random_rows(qtype)
         layouts = [("file rows", w, int(qtype))]
         code = kernels.interleaved_qtype(int(qtype))
         if code is not None:
-            layouts.append(("interleaved", kernels.quant_interleave_rows(w.clone(), int(qtype)), code))
+            packed = kernels.quant_interleave_rows(w.clone(), int(qtype))
+            layouts.append(("interleaved", packed, code))
+            fine = kernels.fine_scales_qtype(int(qtype))
+            if fine is not None:  # the same weights, inputs scaled per 16 (down_proj's layout)
+                layouts.append(("interleaved/16", packed, fine))
         for name, rows, c in layouts:
             report(f"{qtype.name:5s} {name}", lambda x, rows=rows, c=c: kernels.quant_gemm(x, rows, c), rows.numel())
     wf = torch.randn(N, K)

@@ -28,6 +28,11 @@ torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
 // quant_gemm's type codes for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights repacked by
 // quant_interleave_rows (as ggml gives its repacked Q4_0_8_8 a type of its own): the GGUF type + kInterleaved.
 constexpr int64_t kInterleaved = 1000;
+// On top of kInterleaved, + kFineScales: Q4_0 / Q4_1 / Q5_0 / Q5_1 repacked alike, their
+// activations quantized with a scale per 16 values, not 32 (QuantizedLinear's fine_input_scales).
+constexpr int64_t kFineScales = 1000;
+// The format of a code below kInterleaved's: the code without its kFineScales.
+inline int64_t fine_scales_format(int64_t code) { return code > kFineScales ? code - kFineScales : code; }
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype);
 torch::Tensor quant_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 bool quant_gemm_supports(int64_t qtype);

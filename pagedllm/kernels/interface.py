@@ -21,6 +21,10 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
 INTERLEAVED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)
 INTERLEAVED_OFFSET = 1000
+# On top of an interleaved code (entry_points.h kFineScales): activations quantized with a scale
+# per 16 values instead of 32, for the 4- and 5-bit formats whose blocks split into two nibble halves.
+FINE_SCALES_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1)
+FINE_SCALES_OFFSET = 1000
 
 
 class CpuKernels:
@@ -180,6 +184,16 @@ class CpuKernels:
         if qtype not in INTERLEAVED_TYPES or not self._m.quant_gemm_supports(INTERLEAVED_OFFSET + qtype):
             return None
         return INTERLEAVED_OFFSET + qtype
+
+    def fine_scales_qtype(self, qtype: int) -> int | None:
+        """quant_gemm's code for Q4_0 / Q4_1 / Q5_0 / Q5_1 weights repacked as for interleaved_qtype
+        whose activations take int8 with a scale per 16 values (each half of a block: its low or
+        its high nibbles) rather than per 32: finer rounding where a block of inputs holds a few
+        large values; None for other formats and builds without it."""
+        code = INTERLEAVED_OFFSET + FINE_SCALES_OFFSET + qtype
+        if qtype not in FINE_SCALES_TYPES or not self._m.quant_gemm_supports(code):
+            return None
+        return code
 
     def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
         """Rows w [N, bytes] (N a multiple of 8) repacked for quant_gemm: Q4_0 / Q4_1 / Q5_0 / Q5_1 /

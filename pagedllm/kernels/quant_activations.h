@@ -23,18 +23,19 @@ inline float h2f(const uint8_t* p) {
 #endif
 }
 
-// One activation row -> blocks of 32 integers in [-kMax, kMax] with one float scale each:
-// d = amax / kMax, q = round(x / d); on_block(b, sum(q)) per block (what additive weight offsets
-// multiply; a format without offsets passes a no-op).
-template <class Q, int kMax, class OnBlock>
+// One activation row -> blocks of kBlock (32, or 16 for the fine scales of quant_interleaved.h)
+// integers in [-kMax, kMax] with one float scale each: d = amax / kMax, q = round(x / d);
+// on_block(b, sum(q)) per block (what additive weight offsets multiply; a format without offsets
+// passes a no-op).
+template <class Q, int kMax, class OnBlock, int kBlock = 32>
 inline void quantize_row(const float* x, int64_t K, Q* q, float* d, OnBlock on_block) {
-  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
+  for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
     float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
     const float id = amax != 0.f ? static_cast<float>(kMax) / amax : 0.f;
     d[b] = amax / static_cast<float>(kMax);
     int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < kBlock; ++i) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
       q[i] = static_cast<Q>(v);
       sum += v;

@@ -459,6 +459,7 @@ constexpr int64_t kDecodeFromRows = 4;
 bool quant_gemm_supports(int64_t qtype) {
   switch (qtype - kInterleaved) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q6_K: return true;
+    case kFineScales + Q4_0: case kFineScales + Q4_1: case kFineScales + Q5_0: case kFineScales + Q5_1: return true;
     default: break;
   }
   Format f;

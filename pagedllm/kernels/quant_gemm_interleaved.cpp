@@ -105,8 +105,10 @@ struct Nibble {
 };
 
 #if PAGEDLLM_X8_AVX2
-// One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8].
-template <int MR, int64_t QT>
+// One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8]. kFine: the
+// activations have a scale per 16 (Activations::ds), so the low nibbles (elements 0..15) and the
+// high ones (16..31) sum apart and each half is scaled by its own d_x.
+template <int MR, int64_t QT, bool kFine = false>
 inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
   using F = Nibble<QT>;
   constexpr int64_t bb = F::kBlockBytes;
@@ -114,14 +116,14 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
                                  ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
+  for (int64_t b = 0; b < a.nb / (kFine ? 2 : 1); ++b) {
     const uint8_t* blk = group + b * kRows * bb;
     prefetch_ahead<kRows * bb>(blk);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     [[maybe_unused]] const __m256i high =
         F::kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kHigh)) : _mm256_setzero_si256();
     __m256i sums[MR];
-    [[maybe_unused]] __m256i pair[MR];
+    [[maybe_unused]] __m256i pair[MR];  // kFine: the high half's sums
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kQs + 32 * c));
@@ -134,15 +136,26 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
       }
       for (int m = 0; m < MR; ++m) {
         const int8_t* xb = a.q + (m0 + m) * a.K + 32 * b;
+        const __m256i xlo = ilv::broadcast4(xb + 4 * c), xhi = ilv::broadcast4(xb + 16 + 4 * c);
 #if PAGEDLLM_X8_VNNI
         // four u8 x s8 products summed straight into each int32 lane
-        const __m256i zero_or_sum = c == 0 ? _mm256_setzero_si256() : sums[m];
-        sums[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero_or_sum, lo, ilv::broadcast4(xb + 4 * c)), hi,
-                                      ilv::broadcast4(xb + 16 + 4 * c));
+        if constexpr (kFine) {
+          sums[m] = _mm256_dpbusd_epi32(c == 0 ? _mm256_setzero_si256() : sums[m], lo, xlo);
+          pair[m] = _mm256_dpbusd_epi32(c == 0 ? _mm256_setzero_si256() : pair[m], hi, xhi);
+        } else {
+          const __m256i zero_or_sum = c == 0 ? _mm256_setzero_si256() : sums[m];
+          sums[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero_or_sum, lo, xlo), hi, xhi);
+        }
 #else
         // vpmaddubsw: two u8 x s8 products per int16 lane, |x| <= 127 (never -128)
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ilv::broadcast4(xb + 4 * c)),
-                                           _mm256_maddubs_epi16(hi, ilv::broadcast4(xb + 16 + 4 * c)));
+        if constexpr (kFine) {
+          // one half alone: <= 2 * 31 * 127 per run, four runs: 31496 < 2^15 even with 5 bits
+          const __m256i pl = _mm256_maddubs_epi16(lo, xlo), ph = _mm256_maddubs_epi16(hi, xhi);
+          sums[m] = c == 0 ? pl : _mm256_add_epi16(sums[m], pl);
+          pair[m] = c == 0 ? ph : _mm256_add_epi16(pair[m], ph);
+          continue;
+        }
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
         if constexpr (!F::kFive) {
           // 4 bits: <= 2 * 15 * 127 per product pair, two pairs per run, four runs: 30480 < 2^15
           sums[m] = c == 0 ? p : _mm256_add_epi16(sums[m], p);
@@ -157,7 +170,25 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 #endif
       }
     }
+    [[maybe_unused]] const __m256 mw =
+        F::kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))) : _mm256_setzero_ps();
     for (int m = 0; m < MR; ++m) {
+      if constexpr (kFine) {
+        const int64_t at = (m0 + m) * a.nb + 2 * b;
+#if PAGEDLLM_X8_VNNI
+        __m256i dlo = sums[m], dhi = pair[m];
+#else
+        __m256i dlo = _mm256_madd_epi16(sums[m], ones), dhi = _mm256_madd_epi16(pair[m], ones);
+#endif
+        if (F::kBias != 0) {
+          dlo = _mm256_sub_epi32(dlo, _mm256_set1_epi32(F::kBias * a.s[at]));
+          dhi = _mm256_sub_epi32(dhi, _mm256_set1_epi32(F::kBias * a.s[at + 1]));
+        }
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at])), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at + 1])), acc[m]);
+        if (F::kMin) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[at / 2]), acc[m]);
+        continue;
+      }
       const int64_t at = (m0 + m) * a.nb + b;
 #if PAGEDLLM_X8_VNNI
       __m256i dot = sums[m];
@@ -167,10 +198,7 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
       if (F::kBias != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(F::kBias * a.s[at]));
       const float dx = a.d[at];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
-      if (F::kMin) {
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-        acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * static_cast<float>(a.s[at])), acc[m]);
-      }
+      if (F::kMin) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * static_cast<float>(a.s[at])), acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
@@ -219,29 +247,38 @@ inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_
 }
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
-template <int MR, int64_t QT>
+template <int MR, int64_t QT, bool kFine = false>
 inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
   using F = Nibble<QT>;
   constexpr int64_t bb = F::kBlockBytes;
   for (int m = 0; m < MR; ++m) {
     float acc[kRows] = {};
-    for (int64_t b = 0; b < a.nb; ++b) {
+    for (int64_t b = 0; b < a.nb / (kFine ? 2 : 1); ++b) {
       const uint8_t* blk = group + b * kRows * bb;
-      const int64_t at = (m0 + m) * a.nb + b;
+      const int64_t at = (m0 + m) * a.nb + (kFine ? 2 * b : b);
       const int8_t* xb = a.q + (m0 + m) * a.K + 32 * b;
       const float dx = a.d[at];
       for (int64_t r = 0; r < kRows; ++r) {
-        int32_t dot = 0;
+        int32_t dlo = 0, dhi = 0;
         for (int c = 0; c < 4; ++c)
           for (int j = 0; j < 4; ++j) {
             const uint8_t v = blk[F::kQs + 32 * c + 4 * r + j];
             const int h = F::kFive ? blk[F::kHigh + 4 * r + j] : 0;  // bit c: element 4c + j, 4 + c: 16 + 4c + j
             const int lo = (v & 0xF) | (((h >> c) & 1) << 4), hi = (v >> 4) | (((h >> (4 + c)) & 1) << 4);
-            dot += lo * xb[4 * c + j] + hi * xb[16 + 4 * c + j];
+            dlo += lo * xb[4 * c + j];
+            dhi += hi * xb[16 + 4 * c + j];
           }
-        dot -= F::kBias * a.s[at];
-        acc[r] = std::fma(static_cast<float>(dot), h2f(blk + 2 * r) * dx, acc[r]);
-        if (F::kMin) acc[r] = std::fma(h2f(blk + 16 + 2 * r), dx * static_cast<float>(a.s[at]), acc[r]);
+        if constexpr (kFine) {
+          dlo -= F::kBias * a.s[at];
+          dhi -= F::kBias * a.s[at + 1];
+          acc[r] = std::fma(static_cast<float>(dlo), h2f(blk + 2 * r) * dx, acc[r]);
+          acc[r] = std::fma(static_cast<float>(dhi), h2f(blk + 2 * r) * a.d[at + 1], acc[r]);
+          if (F::kMin) acc[r] = std::fma(h2f(blk + 16 + 2 * r), a.ds[at / 2], acc[r]);
+        } else {
+          const int32_t dot = dlo + dhi - F::kBias * a.s[at];
+          acc[r] = std::fma(static_cast<float>(dot), h2f(blk + 2 * r) * dx, acc[r]);
+          if (F::kMin) acc[r] = std::fma(h2f(blk + 16 + 2 * r), dx * static_cast<float>(a.s[at]), acc[r]);
+        }
       }
     }
     std::memcpy(y + (m0 + m) * ldy, acc, sizeof(acc));
@@ -269,11 +306,13 @@ inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_
 }
 #endif
 
-// The kernel of a format for MR activation rows.
+// The kernel of a format (+ kFineScales: its fine-scale variant) for MR activation rows.
 template <int64_t QT, int MR, class A>
 inline void run_group(const uint8_t* group, const A& a, int64_t m0, float* y, int64_t ldy) {
   if constexpr (QT == Q8_0) {
     group_kernel_q8<MR>(group, a, m0, y, ldy);
+  } else if constexpr (QT > kFineScales) {
+    group_kernel<MR, QT - kFineScales, true>(group, a, m0, y, ldy);
   } else {
     group_kernel<MR, QT>(group, a, m0, y, ldy);
   }
@@ -336,11 +375,12 @@ torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tens
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   if (qtype == ilv::kQ4K) return quant_gemm_q4k(x, w);
   if (qtype == ilv::kQ6K) return quant_gemm_q6k(x, w);
-  ilv::layout_of(qtype);  // checks the format
+  const int64_t format = fine_scales_format(qtype);
+  ilv::layout_of(format);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  ilv::check_weight(w, qtype, K);
+  ilv::check_weight(w, format, K);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
@@ -357,6 +397,16 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   };
   if (qtype == ilv::Q8_0) {
     run(std::integral_constant<int64_t, ilv::Q8_0>{}, ilv::quantize_activations<int16_t, 32767>(xp, M, K, false));
+    return y;
+  }
+  if (qtype > kFineScales) {
+    const auto fine = ilv::quantize_activations<int8_t, 127, 16>(xp, M, K, true);
+    switch (qtype - kFineScales) {
+      case ilv::Q4_0: run(std::integral_constant<int64_t, kFineScales + ilv::Q4_0>{}, fine); break;
+      case ilv::Q4_1: run(std::integral_constant<int64_t, kFineScales + ilv::Q4_1>{}, fine); break;
+      case ilv::Q5_0: run(std::integral_constant<int64_t, kFineScales + ilv::Q5_0>{}, fine); break;
+      default: run(std::integral_constant<int64_t, kFineScales + ilv::Q5_1>{}, fine); break;
+    }
     return y;
   }
   const auto act = ilv::quantize_activations<int8_t, 127>(xp, M, K, true);

@@ -34,13 +34,16 @@ namespace ilv {
 constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
 
 // Quantized activation rows of a call: q [M, K] (int8 for Q4_x, int16 for Q8_0), d [M, nb] and,
-// for int8, s = sum(q) [M, nb].
+// for int8, s = sum(q) [M, nb]. Fine scales (int8, a scale per 16 values: see
+// quantize_activations): d and s hold two entries per block of 32, ds = sum over the block's two
+// halves of d * s [M, K / 32].
 template <class Q>
 struct Activations {
   const Q* q;
   const float* d;
   const int32_t* s;
   int64_t K, nb;
+  const float* ds = nullptr;
 };
 using Activations8 = Activations<int8_t>;
 using Activations16 = Activations<int16_t>;
@@ -52,26 +55,37 @@ inline void grow(std::vector<T>& v, int64_t n) {
 
 // The call's activation rows, quantized once and shared by every thread (scratch kept per thread
 // between calls); with_sums: also s = sum(q) per block (Q4_0's - 8, Q5_0's - 16 and the mins
-// need it).
-template <class Q, int kMax>
+// need it). kBlock 16 (fine scales, int8 only): a scale per 16 values, the two nibble halves of a
+// Q4_x / Q5_x block (down_proj's input, whose SiLU x up products put a few large values in a
+// block; see QuantizedLinear), plus ds per block of 32.
+template <class Q, int kMax, int kBlock = 32>
 Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool with_sums) {
-  const int64_t nb = K / 32;
+  const int64_t nb = K / kBlock;
   static thread_local std::vector<Q> q;
-  static thread_local std::vector<float> d;
+  static thread_local std::vector<float> d, ds;
   static thread_local std::vector<int32_t> s;
   grow(q, M * K);
   grow(d, M * nb);
   if (with_sums) grow(s, M * nb);
+  if (kBlock == 16) grow(ds, M * K / 32);
   Q* qp = q.data();
   float* dp = d.data();
+  float* dsp = kBlock == 16 ? ds.data() : nullptr;
   int32_t* sp = with_sums ? s.data() : nullptr;
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m)
-      quantize_row<Q, kMax>(x + m * K, K, qp + m * K, dp + m * nb, [&](int64_t blk, int32_t sum) {
+    for (int64_t m = b; m < e; ++m) {
+      float* dm = dp + m * nb;
+      auto on_block = [&](int64_t blk, int32_t sum) {
         if (sp != nullptr) sp[m * nb + blk] = sum;
-      });
+        // the second half's d * s added to the first's, in this order whatever the batch
+        if (dsp != nullptr && blk % 2 == 1)
+          dsp[m * nb / 2 + blk / 2] = dm[blk - 1] * static_cast<float>(sp[m * nb + blk - 1]) +
+                                      dm[blk] * static_cast<float>(sum);
+      };
+      quantize_row<Q, kMax, decltype(on_block), kBlock>(x + m * K, K, qp + m * K, dm, on_block);
+    }
   });
-  return {qp, dp, sp, K, nb};
+  return {qp, dp, sp, K, nb, dsp};
 }
 
 // Every activation row times groups [g0, g1) of eight-row groups: kTile groups at a time stay in

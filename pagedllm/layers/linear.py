@@ -43,6 +43,8 @@ def _world(tp: TensorParallelGroup | None) -> tuple[int, int]:
 class ParallelLinear(nn.Module):
     """What every parallel linear shares: the parts received, the local GEMM built from them."""
 
+    fine_input_scales = False  # GGUF Q4_x / Q5_x: the input quantized per 16 values (QuantizedLinear)
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         self.tp = tp
@@ -102,7 +104,7 @@ class ParallelLinear(nn.Module):
         if self.missing():
             raise ValueError(f"checkpoint is missing {', '.join(self.missing())}")
         weights = [self._weights[i] for i in range(len(self.out_sizes))]
-        self.local = methods.linear(weights, self._bias(), silu_mul_epilogue)
+        self.local = methods.linear(weights, self._bias(), silu_mul_epilogue, self.fine_input_scales)
         self._weights, self._biases = {}, {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,12 +179,19 @@ class QKVParallelLinear(ParallelLinear):
 
 class RowParallelLinear(ParallelLinear):
     """y = sum over ranks of x_r W_r^T (one all-reduce), + bias once after the sum. x_r: this
-    rank's slice of the input features (the heads / intermediate columns it computed)."""
+    rank's slice of the input features (the heads / intermediate columns it computed).
+    ``fine_input_scales``: for an MLP's down projection (see QuantizedLinear)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallelGroup | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp: TensorParallelGroup | None = None,
+        fine_input_scales: bool = False,
     ) -> None:
         super().__init__(in_features, [out_features], bias, tp)
+        self.fine_input_scales = fine_input_scales
         if in_features % self.world_size:
             raise ValueError(f"{in_features} input features do not split over {self.world_size} ranks")
         n = in_features // self.world_size
@@ -200,7 +209,7 @@ class RowParallelLinear(ParallelLinear):
             return
         if self.missing():
             raise ValueError(f"checkpoint is missing {', '.join(self.missing())}")
-        self.local = methods.linear([self._weights[0]], None)
+        self.local = methods.linear([self._weights[0]], None, False, self.fine_input_scales)
         self.bias = None if not self.has_bias else self._biases[0].to(methods.dtype)
         self._weights, self._biases = {}, {}
 

@@ -45,12 +45,22 @@ class LinearMethods:
             t = t.clone()  # a shard's view would keep the whole checkpoint tensor alive
         return t
 
-    def linear(self, parts: list[CheckpointTensor], bias: torch.Tensor | None, silu_mul_epilogue: bool = False):
-        """One (possibly fused) projection over ``parts``' rows, in order; its bias whole."""
+    def linear(
+        self,
+        parts: list[CheckpointTensor],
+        bias: torch.Tensor | None,
+        silu_mul_epilogue: bool = False,
+        fine_input_scales: bool = False,
+    ):
+        """One (possibly fused) projection over ``parts``' rows, in order; its bias whole.
+        ``fine_input_scales``: GGUF Q4_x / Q5_x weights quantize the input per 16 values
+        (QuantizedLinear)."""
         if all(isinstance(p, BlockRows) for p in parts) and len({p.qtype for p in parts}) == 1:
             rows = torch.cat([p.bytes_tensor() for p in parts]) if len(parts) > 1 else parts[0].bytes_tensor()
             b = None if bias is None else bias.float()  # the integer kernels add it in float32
-            return QuantizedLinear(rows, parts[0].qtype, parts[0].k, b, self.kernels)
+            return QuantizedLinear(
+                rows, parts[0].qtype, parts[0].k, b, self.kernels, fine_input_scales=fine_input_scales
+            )
         if not any(isinstance(p, BlockRows) for p in parts):
             w = torch.cat(parts) if len(parts) > 1 else parts[0]
             return self._float_linear(w, bias, silu_mul_epilogue)
@@ -65,7 +75,7 @@ class LinearMethods:
         mods, start = [], 0
         for run in runs:
             n = sum(p.shape[0] for p in run)
-            mods.append(self.linear(run, None if bias is None else bias[start : start + n]))
+            mods.append(self.linear(run, None if bias is None else bias[start : start + n], False, fine_input_scales))
             start += n
         return ConcatLinear(mods)
 

@@ -72,7 +72,7 @@ class GeGLUMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
         self.inter = self.gate_up_proj.out_features // 2  # this rank's columns
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, fine_input_scales=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)

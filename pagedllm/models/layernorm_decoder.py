@@ -111,7 +111,7 @@ class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear(spec.hidden_size, spec.ffn_dim, spec.bias, tp)
-        self.fc2 = RowParallelLinear(spec.ffn_dim, spec.hidden_size, spec.bias, tp)
+        self.fc2 = RowParallelLinear(spec.ffn_dim, spec.hidden_size, spec.bias, tp, fine_input_scales=True)
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

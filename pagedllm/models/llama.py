@@ -102,7 +102,7 @@ class MLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, tp)
         self.inter = self.gate_up_proj.out_features // 2  # this rank's columns
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp, fine_input_scales=True)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
 
