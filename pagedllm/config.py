@@ -16,6 +16,17 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 4.0
 _KV_LAYOUTS = ("paged", "contiguous")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 _QUANTIZATIONS = ("auto", "gguf", None)
+# kv_cache_dtype: "auto" (models/loader.py resolve_kv_cache_dtype) or a named store; vLLM's 8-bit
+# names are refused by name until they have kernels.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_CACHE_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
+_KV_CACHE_DTYPES_NOT_YET = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass
@@ -39,8 +50,11 @@ class EngineConfig:
     # Accepted for vLLM's command lines, no effect: pagedllm runs its own model code for the
     # architectures it knows and never executes code shipped with a checkpoint.
     trust_remote_code: bool = False
-    dtype: str = "auto"  # activations and KV cache; weights per `quantization`
-    kv_cache_dtype: str = "auto"  # vLLM's: only "auto" (the KV cache has the activation dtype)
+    dtype: str = "auto"  # activations (and the KV cache under kv_cache_dtype "auto"); weights per `quantization`
+    # The KV cache's element type, independent of the activations (vLLM's option): "auto" (float16
+    # for GGUF weights run in their blocks, else the activation dtype), "float32", "bfloat16" or
+    # "float16". K/V are rounded to it as they are written and read back widened to the activations'.
+    kv_cache_dtype: str = "auto"
     # "gguf": a GGUF model's weights stay in their quantized blocks (integer kernels). "auto": the
     # same wherever the CPU kernels build, else dequantize at load. None (CLI: none): dequantize a
     # GGUF to float32 at load.
@@ -107,11 +121,15 @@ class EngineConfig:
             self.dtype = _DTYPE_ALIASES.get(self.dtype.lower(), self.dtype.lower())
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {(*_DTYPES, *_DTYPE_ALIASES)}, got {self.dtype!r}.")
-        if self.kv_cache_dtype != "auto":
+        kv = str(self.kv_cache_dtype).lower()
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(kv, kv)
+        if self.kv_cache_dtype in _KV_CACHE_DTYPES_NOT_YET:
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: only 'auto' (the KV cache has the "
-                "model's activation dtype)."
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the 8-bit caches have no kernels; "
+                f"use one of {KV_CACHE_DTYPES}."
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.tokenizer_mode not in _TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {_TOKENIZER_MODES}, got {self.tokenizer_mode!r}.")
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -212,6 +212,37 @@ def test_float32_decode_kernel_equals_reference(block_size, h, hkv, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["kv-bf16", "kv-f16"])
+@pytest.mark.parametrize("block_size,h,hkv,d", F32_CASES)
+def test_float32_decode_kernel_over_a_narrow_cache_equals_reference(block_size, h, hkv, d, kv_dtype):
+    """kv_cache_dtype bf16 / fp16 under float32 queries: the kernel widens the cache's values as
+    the reference does, so the two differ by float summation order only; both stay within the
+    K/V rounding of the float32 cache's result."""
+    q, k, v, kc, vc, meta, _ = build_batch(block_size, h, hkv, d, 2, F32_LENS, [])
+    scale = 1 / math.sqrt(d)
+    kc_n, vc_n = kc.to(kv_dtype), vc.to(kv_dtype)
+    ref = paged_attention(q, k, v, kc_n, vc_n, meta, scale)  # writes the step's K/V, rounded
+    wide = paged_attention(q, k, v, kc, vc, meta, scale)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, kc_n, vc_n, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # bf16 keeps 8 significant bits, fp16 11: the outputs (averages of unit normals) move by less
+    rounding = 2e-2 if kv_dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out, wide, atol=rounding, rtol=0)
+    assert not torch.equal(out, wide)  # the cache really was narrower
+
+
+@needs_kernel
+def test_decode_kernel_refuses_other_cache_dtypes():
+    q, _, _, kc, vc, meta, _ = build_batch(16, 4, 2, 64, 1, [5, 9], [])
+    args = (meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+    for qd, kvd in ((torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float64)):
+        qq = q.to(qd)
+        with pytest.raises(RuntimeError, match="bfloat16 / float16 under float32 q"):
+            kernels.paged_decode_attention(torch.empty_like(qq), qq, kc.to(kvd), vc.to(kvd), *args)
+
+
+@needs_kernel
 def test_float32_decode_kernel_does_not_depend_on_batch_or_threads():
     """A sequence's keys may be split into chunks across threads: the same bits alone, in a batch,
     and on any number of threads (the split depends on the sequence's length only)."""

@@ -23,10 +23,15 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels cou
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(BF16, BF16), (F32, F32), (F32, BF16), (F32, torch.float16)],
+    ids=["bf16", "f32", "f32-kv-bf16", "f32-kv-f16"],
+)
 @pytest.mark.parametrize("h,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 128), (3, 1, 10)])
-def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype):
-    """float32 too: the kernel rounds each product and the sum as the reference does (no FMA)."""
+def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype, kv_dtype):
+    """float32 too: the kernel rounds each product and the sum as the reference does (no FMA).
+    A narrower cache (kv_cache_dtype) holds K/V rounded to nearest even, as torch's .to() rounds."""
     g = torch.Generator().manual_seed(d)
     t, block_size, num_blocks = 11, 4, 8
     qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
@@ -34,7 +39,7 @@ def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype):
     slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
     angles = torch.rand(100, d // 2, generator=g) * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
 
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
@@ -52,8 +57,25 @@ def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype):
     assert torch.equal(view[:, h * d : (h + hkv) * d].view(t, hkv, d), k_ref)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
     # the layout itself: a head's keys of a block are contiguous, [block, kv head, offset, dim]
-    assert torch.equal(k_cache[slots // block_size, :, slots % block_size], k_ref)
+    assert torch.equal(k_cache[slots // block_size, :, slots % block_size], k_ref.to(kv_dtype))
     assert torch.equal(buf[:, qkv.shape[1] :], torch.zeros(t, 32, dtype=dtype))  # nothing past the row
+
+
+def test_float16_cache_saturates_rather_than_store_infinities():
+    """K/V beyond float16's range are stored as +-65504 by the kernel and the reference alike."""
+    h, hkv, d = 2, 1, 8
+    qkv = torch.zeros(2, (h + 2 * hkv) * d)
+    qkv[:, h * d :] = torch.tensor([1e6, -1e6, 7.0, 70000.0] * (2 * hkv * d // 4)).repeat(2, 1)
+    cos, sin = torch.ones(4, d), torch.zeros(4, d)  # no rotation
+    slots, positions = torch.tensor([1, 6]), torch.tensor([0, 3])
+    k_cache = torch.zeros(2, hkv, 4, d, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    kernels.rope_and_cache_write(qkv.clone(), positions, cos, sin, k_cache, v_cache, slots, h, hkv)
+    kc_ref, vc_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    k, v = qkv[:, h * d :].view(2, 2 * hkv, d).split(hkv, dim=1)
+    write_kv_cache(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    assert torch.isfinite(k_cache.float()).all() and k_cache.float().abs().max() == 65504
 
 
 def test_rope_and_cache_write_rejects_mixed_dtypes():
@@ -68,6 +90,13 @@ def test_rope_and_cache_write_rejects_mixed_dtypes():
             kernels.rope_and_cache_write(bad, *args)
     with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):  # bf16 tables with float32 qkv
         kernels.rope_and_cache_write(qkv, args[0], tables[0].to(BF16), tables[1].to(BF16), *args[3:])
+    # caches narrower than float32 qkv are taken (kv_cache_dtype); other mixes are not
+    narrow = (cache.to(torch.float16), cache.to(torch.float16))
+    kernels.rope_and_cache_write(qkv, *args[:3], *narrow, *args[5:])
+    bf16_qkv = (qkv.to(BF16), args[0], tables[0].to(BF16), tables[1].to(BF16))
+    for caches in (narrow, (cache, cache.clone()), (cache.to(BF16), cache.to(torch.float16))):
+        with pytest.raises(RuntimeError, match="caches of qkv's dtype"):
+            kernels.rope_and_cache_write(*bf16_qkv, *caches, *args[5:])
 
 
 def test_silu_and_mul_matches_reference():

@@ -50,10 +50,16 @@ def files(tiny_model_dirs, tmp_path_factory):
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
 def test_formats_without_kernel_load_dequantized_and_match_the_float_model(files, which, caplog):
     """Native (the kernel formats in their blocks, the others as floats) computes what the model
-    dequantized whole at load computes: same values, other matmul order -> fp32 rounding."""
+    dequantized whole at load computes: same values, other matmul order -> fp32 rounding (both
+    with a float32 KV cache: the native default, float16, is a rounding of its own)."""
     with caplog.at_level(logging.INFO):
         native = LLM(
-            model=files[which], dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf"
+            model=files[which],
+            dtype="float32",
+            num_kv_blocks=32,
+            attention_backend="torch",
+            quantization="gguf",
+            kv_cache_dtype="float32",
         )
     lines = [r.getMessage() for r in caplog.records]
     logged = [line for line in lines if "no integer kernel" in line]

@@ -298,9 +298,17 @@ def gguf_files(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("which", FILES)
 def test_native_reference_matches_dequantize_at_load(gguf_files, which):
     """The native model on the reference path (no kernels) computes what the dequantized float32
-    model computes: same float weights, only a different matmul order -> fp32 rounding, 1e-4."""
+    model computes: same float weights, only a different matmul order -> fp32 rounding, 1e-4.
+    (A float32 KV cache for both: the native default, float16, is another rounding.)"""
     path = gguf_files[which]
-    native = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization="gguf")
+    native = LLM(
+        model=path,
+        dtype="float32",
+        num_kv_blocks=32,
+        attention_backend="torch",
+        quantization="gguf",
+        kv_cache_dtype="float32",
+    )
     dequant = LLM(model=path, dtype="float32", num_kv_blocks=32, attention_backend="torch", quantization=None)
     m_native, m_dequant = native.llm_engine.model, dequant.llm_engine.model
     assert isinstance(m_native.layers[0].mlp.down_proj.local, QuantizedLinear)
@@ -378,6 +386,18 @@ def test_native_load_interleaves_the_formats_with_that_kernel(gguf_files, kernel
         "mlp.down_proj" in n and m.qtype in nibbles and m.interleaved for n, m in named
     ]
     assert any(m.fine_input_scales for _, m in named) == (which == "legacy")
+
+
+def test_gguf_blocks_get_a_float16_kv_cache_by_default(gguf_files, kernels):
+    """kv_cache_dtype "auto": float16 where the weights run in their blocks (activations are rounded
+    to int8 / int16 at every GEMM anyway), float32 where the file is dequantized to float."""
+    native = LLM(model=gguf_files["legacy"], dtype="float32", num_kv_blocks=16, quantization="gguf")
+    assert native.llm_engine.kv_dtype == torch.float16
+    assert native.llm_engine.runner.kv_caches[0][0].dtype == torch.float16
+    dequantized = LLM(model=gguf_files["legacy"], dtype="float32", num_kv_blocks=16, quantization=None)
+    assert dequantized.llm_engine.kv_dtype == torch.float32
+    named = LLM(model=gguf_files["legacy"], dtype="float32", num_kv_blocks=16, kv_cache_dtype="float32")
+    assert named.llm_engine.kv_dtype == torch.float32
 
 
 def test_quantization_flag_validation(tiny_llama):

@@ -487,6 +487,9 @@ def test_metrics(server, client):
     assert samples["pagedllm:time_to_first_token_seconds_count"] >= 1
     assert samples["pagedllm:e2e_request_latency_seconds_count"] >= 1
     assert samples["pagedllm:num_free_kv_blocks"] == 256
+    # capacity in tokens and bytes: 256 blocks of 16 tokens, K and V per layer of the tiny model
+    assert samples["pagedllm:kv_cache_capacity_tokens"] == 256 * 16
+    assert samples["pagedllm:kv_cache_capacity_bytes"] == server.stats()["kv_cache_bytes"] > 0
 
 
 def test_bench_serve_cli(server, tmp_path, capsys):

@@ -93,9 +93,13 @@ def test_vllm_dtype_spellings(spelling, dtype):
     assert EngineConfig(dtype=spelling).dtype == dtype
 
 
-def test_kv_cache_dtype_other_than_auto_is_refused():
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+def test_kv_cache_dtype_names():
+    assert EngineConfig(kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(kv_cache_dtype="half").kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported yet"):
         EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="float64")
 
 
 def test_serve_flags():

@@ -29,11 +29,25 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots."""
+    """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots, rounded
+    to the cache's dtype (``kv_cache_dtype``: it may be narrower than the activations)."""
     bs = k_cache.shape[2]
     blocks, offsets = slot_mapping // bs, slot_mapping % bs
-    k_cache[blocks, :, offsets] = key
-    v_cache[blocks, :, offsets] = value
+    k_cache[blocks, :, offsets] = to_cache_dtype(key, k_cache.dtype)
+    v_cache[blocks, :, offsets] = to_cache_dtype(value, v_cache.dtype)
+
+
+FP16_MAX = 65504.0  # the largest finite float16
+
+
+def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t rounded to the KV cache's dtype; a float16 cache saturates at +-65504 rather than store
+    an infinity (the kernels, built with -ffast-math, assume finite values; as the C++ writer)."""
+    if t.dtype == dtype:
+        return t
+    if dtype == torch.float16 and t.dtype != torch.float16:
+        t = t.clamp(-FP16_MAX, FP16_MAX)
+    return t.to(dtype)
 
 
 # Seconds spent in attend() while an attention_timer is open (benchmarks); None: not timing.
@@ -136,8 +150,8 @@ def _decode(
     bt, mask = meta.decode_view(bs, window)
     nblk = bt.shape[1]
     # [nd, nblk, hkv, bs, d] -> [nd, hkv, nblk * bs, d]
-    k = k_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
-    v = v_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
+    k = k_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d).to(q.dtype)
+    v = v_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d).to(q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h)
     return o.squeeze(2)
 
@@ -147,8 +161,9 @@ def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, windo
     hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     mask = p.mask
     if p.context_len == 0:
-        # Nothing earlier in the cache: this chunk's own K/V are the whole context.
-        k, v = key.transpose(0, 1), value.transpose(0, 1)
+        # Nothing earlier in the cache: this chunk's own K/V are the whole context, rounded as the
+        # cache holds them, so that a prompt's output does not depend on how it was chunked.
+        k, v = _as_cached(key, k_cache).transpose(0, 1), _as_cached(value, v_cache).transpose(0, 1)
         first_key = 0
     else:
         # Only the blocks from the first query's window on: those before it may be released.
@@ -156,8 +171,8 @@ def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, windo
         first_key = first_block * bs
         # [nblk, hkv, bs, d] -> [hkv, nblk * bs, d], cut to the sequence
         ids = p.block_ids[first_block:]
-        k = k_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key]
-        v = v_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key]
+        k = k_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key].to(q.dtype)
+        v = v_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key].to(q.dtype)
     if window is not None:
         mask = sliding_mask(p.context_len, p.query_len, first_key, p.seq_len, window, q.device)
     # 4-D (batch of 1): the CPU's fused flash kernel only takes 4-D inputs; 3-D goes to "math".
@@ -173,6 +188,11 @@ def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, windo
         enable_gqa=hkv != h,
     )
     return o.squeeze(0).transpose(0, 1)
+
+
+def _as_cached(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """t as the cache stores it, back in t's dtype (t itself when the dtypes agree)."""
+    return t if cache.dtype == t.dtype else to_cache_dtype(t, cache.dtype).to(t.dtype)
 
 
 def sliding_mask(

@@ -51,6 +51,7 @@ def make_engine(args: argparse.Namespace, layout: str, block_size: int, max_num_
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=block_size,
         num_kv_blocks=max(1, args.num_kv_tokens // block_size),
         kv_layout=kv_layout,
@@ -78,7 +79,9 @@ def _config_record(args: argparse.Namespace, engine) -> dict:
         "model": args.model,
         "model_path": engine.model_path,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "num_kv_tokens": engine.num_kv_blocks * engine.config.block_size,
+        "kv_cache_bytes": engine.num_kv_blocks * engine.kv_bytes_per_block,
         "max_model_len": engine.max_model_len,
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
@@ -269,6 +272,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the activation dtype), bfloat16, float16")
     parser.add_argument(
         "--num-kv-tokens",
         type=int,

@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         # what the weights ran as: "gguf" (kept in their quantized blocks) or "none" (float)
         "quantization": "gguf" if native_gguf_path(engine.config) else "none",
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "text": args.text,
         "text_sha256": sha,
         **asdict(res),

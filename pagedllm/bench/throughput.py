@@ -87,6 +87,7 @@ def common_result(
         "label": label,
         "model": args.model,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "engine": kwargs,
         "workload": {"name": args.workload, "seed": args.seed, **summary},
         "walls_s": [round(w, 3) for w in walls],
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     peak = gemm_peak_gflops(engine.dtype)
     gemm_s = (n_prompt + n_out) * 2 * params / (peak * 1e9)
     model = engine.model
-    kv_per_token = kv_bytes_per_block(len(model.layers), 1, model.num_kv_heads, model.head_dim, engine.dtype)
+    kv_per_token = kv_bytes_per_block(len(model.layers), 1, model.num_kv_heads, model.head_dim, engine.kv_dtype)
     kv_bytes = decode_kv_read_bytes(requests, kv_per_token)
     # One pass over the weights per step (a tied embedding is read once, as the LM head).
     weight_bytes = params * torch.empty((), dtype=engine.dtype).element_size()

@@ -47,6 +47,8 @@ _SUMMED = (
     "num_requests_waiting",
     "num_kv_blocks",
     "num_free_kv_blocks",
+    "kv_slots_total",
+    "kv_cache_bytes",
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",

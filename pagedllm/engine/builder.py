@@ -21,7 +21,7 @@ from pagedllm.layers.linear_method import LinearMethods
 from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.attention_windows import layer_windows, sliding_window
 from pagedllm.models.hub_cache import is_repo_id
-from pagedllm.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
+from pagedllm.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype, resolve_kv_cache_dtype
 from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
 from pagedllm.runner.model_runner import ModelRunner
@@ -50,6 +50,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner  # or a TensorParallelRunner (parallel/worker.py): the same execute()
     kv_bytes_per_block: int  # this rank's (its KV heads only under tensor parallelism)
+    kv_dtype: torch.dtype  # of the KV cache
 
 
 @dataclass
@@ -63,6 +64,7 @@ class LoadedModel:
     device: torch.device
     kernels: CpuKernels | None
     model: torch.nn.Module
+    kv_dtype: torch.dtype  # of the KV cache (kv_cache_dtype; "auto": the activation dtype)
 
 
 def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel:
@@ -92,7 +94,15 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
         weights = iter_safetensors(model_path)
     model = load_model(weights, hf_config, methods, max_model_len, tensor_parallel)
     log_weight_formats(model, native_gguf or model_path, kernels)
-    return LoadedModel(model_path, hf_config, max_model_len, dtype, device, kernels, model)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, quantized_weights=_runs_weight_blocks(model))
+    return LoadedModel(model_path, hf_config, max_model_len, dtype, device, kernels, model, kv_dtype)
+
+
+def _runs_weight_blocks(model: torch.nn.Module) -> bool:
+    """Whether any GEMM of the model runs GGUF blocks (an F32 / F16 GGUF is a float model)."""
+    from pagedllm.models.quantized_linear import QuantizedLinear
+
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def linear_methods(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethods:
@@ -135,11 +145,11 @@ def log_weight_formats(model: torch.nn.Module, source: str, kernels: CpuKernels 
 
 def build_runner(config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
     """The runner over a fresh KV cache of ``num_kv_blocks`` (and a host swap pool if any)."""
-    model, dtype = loaded.model, loaded.dtype
+    model, kv_dtype = loaded.model, loaded.kv_dtype
 
     def caches(num_blocks: int, dev: torch.device):
         return allocate_kv_cache(
-            len(model.layers), num_blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, dev
+            len(model.layers), num_blocks, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype, dev
         )
 
     kv_caches = caches(num_kv_blocks, loaded.device)
@@ -171,17 +181,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
             executor.shutdown(graceful=False)
         raise
     logger.info(
-        "pagedllm: %s (%s) on %s, %s%s; KV cache %d blocks x %d tokens = %d tokens (%.2f GiB), "
-        "max_model_len %d; ready in %.1fs",
+        "pagedllm: %s (%s) on %s, %s%s; KV cache %s, %d blocks x %d tokens = %d tokens (%.2f GiB, "
+        "%d bytes per token), max_model_len %d; ready in %.1fs",
         parts.model_path,
         type(parts.model).__name__,
         parts.device,
         str(parts.dtype).removeprefix("torch."),
         f", tensor parallel x{config.tensor_parallel_size}" if executor is not None else "",
+        str(parts.kv_dtype).removeprefix("torch."),
         parts.num_kv_blocks,
         config.block_size,
         parts.num_kv_blocks * config.block_size,
         parts.num_kv_blocks * parts.kv_bytes_per_block / 2**30,
+        parts.kv_bytes_per_block // config.block_size,
         parts.max_model_len,
         time.perf_counter() - t0,
     )
@@ -210,7 +222,9 @@ def _build_parts(config: EngineConfig, executor) -> EngineParts:
         release_freed_heap()  # before the KV cache: what loading freed goes back to the OS
 
     # Under tensor parallelism: this rank's KV heads; every rank holds as many blocks.
-    per_block = kv_bytes_per_block(len(model.layers), config.block_size, model.num_kv_heads, model.head_dim, dtype)
+    per_block = kv_bytes_per_block(
+        len(model.layers), config.block_size, model.num_kv_heads, model.head_dim, loaded.kv_dtype
+    )
     num_kv_blocks = _num_kv_blocks(config, per_block, device)
     kv_manager = make_kv_manager(config, num_kv_blocks, loaded.max_model_len, release_window(loaded.hf_config))
     num_swap_blocks = _enable_swap(config, kv_manager, per_block)
@@ -236,6 +250,7 @@ def _build_parts(config: EngineConfig, executor) -> EngineParts:
         scheduler,
         runner,
         per_block,
+        loaded.kv_dtype,
     )
 
 

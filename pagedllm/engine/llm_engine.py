@@ -41,6 +41,8 @@ class LLMEngine:
         self.hf_config = parts.hf_config
         self.max_model_len = parts.max_model_len
         self.dtype = parts.dtype
+        self.kv_dtype = parts.kv_dtype
+        self.kv_bytes_per_block = parts.kv_bytes_per_block  # this rank's
         self.device = parts.device
         self.model = parts.model
         # Optional model method: what besides its tokens decides a sequence's cached keys (a
@@ -233,6 +235,8 @@ class LLMEngine:
             "kv_cache_usage": self.kv_manager.usage(),
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_kv_blocks": self.kv_manager.num_free_blocks(),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_cache_bytes": self.num_kv_blocks * self.kv_bytes_per_block,
             "kv_slots_total": kv.total,
             "kv_slots_reserved": kv.reserved,
             "kv_slots_used": kv.used,

@@ -51,7 +51,8 @@ _HELP = {
     "enable_chunked_prefill": "prefills are always chunked to --max-num-batched-tokens",
     "trust_remote_code": "accepted; pagedllm never runs code shipped with a checkpoint",
     "disable_log_stats": "accepted; pagedllm logs no periodic stats (see /metrics)",
-    "kv_cache_dtype": "only auto: the activation dtype",
+    "kv_cache_dtype": "the KV cache's element type: auto (float16 for GGUF weights run in their blocks, else "
+    "the activation dtype), float32, bfloat16 or float16",
     "kv_layout": "paged (default) or contiguous (baseline reservation policies)",
     "reserve": "contiguous layout: max | pow2 | oracle",
     "max_model_len": "context length (default: the model's)",

@@ -16,6 +16,8 @@ import torch
 # rope_and_cache_write rotates a head in fixed 256-float halves (layer_ops.cpp rope_head).
 MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# KV caches narrower than float32 activations (kv_cache_dtype) that the kernels read and write
+NARROW_KV_DTYPES = (torch.bfloat16, torch.float16)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
@@ -25,6 +27,17 @@ INTERLEAVED_OFFSET = 1000
 # per 16 values instead of 32, for the 4- and 5-bit formats whose blocks split into two nibble halves.
 FINE_SCALES_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1)
 FINE_SCALES_OFFSET = 1000
+
+
+def kv_cache_dtype_supported(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the attention and RoPE + cache-write kernels take activations of ``dtype`` over a
+    KV cache of ``kv_dtype``: the same dtype, or bf16 / fp16 caches under float32 activations."""
+    return kv_dtype == dtype or (dtype == torch.float32 and kv_dtype in NARROW_KV_DTYPES)
+
+
+def _kv_refusal(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:
+    name = str(kv_dtype).removeprefix("torch.")
+    return f"a {name} KV cache under {str(dtype).removeprefix('torch.')} activations"
 
 
 class CpuKernels:
@@ -41,22 +54,30 @@ class CpuKernels:
     # of a model of that shape. These say so up front, so the engine decides once at load which
     # parts run the PyTorch reference path (and logs why) instead. They mirror the C++ checks:
     # tests/test_kernel_shapes.py holds each against the kernel itself.
-    def layer_ops_refusal(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    def layer_ops_refusal(
+        self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> str | None:
         """Why rope_and_cache_write / silu_and_mul / add_rms_norm (the fused decoder-layer path)
-        would refuse a model of this shape, or None when they take it."""
+        would refuse a model of this shape (``kv_dtype``: its KV cache's, default ``dtype``), or
+        None when they take it."""
         if dtype not in KERNEL_DTYPES:
             return f"dtype {str(dtype).removeprefix('torch.')} (the layer kernels take bfloat16 and float32)"
+        if not kv_cache_dtype_supported(dtype, kv_dtype or dtype):
+            return _kv_refusal(dtype, kv_dtype)
         if head_dim % 2 or head_dim > MAX_ROPE_HEAD_DIM:
             return f"head_dim {head_dim} (the fused RoPE kernel takes an even head_dim up to {MAX_ROPE_HEAD_DIM})"
         return None
 
     def decode_attention_refusal(
-        self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+        self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype | None = None
     ) -> str | None:
-        """Why paged_decode_attention would refuse caches of this shape, or None when it takes
-        them (its portable path takes any head_dim; the SIMD paths are chosen inside)."""
+        """Why paged_decode_attention would refuse queries of ``dtype`` over caches of this shape
+        and ``kv_dtype`` (default ``dtype``), or None when it takes them (its portable path takes
+        any head_dim; the SIMD paths are chosen inside)."""
         if dtype not in KERNEL_DTYPES:
             return f"dtype {str(dtype).removeprefix('torch.')} (decode attention takes bfloat16 and float32)"
+        if not kv_cache_dtype_supported(dtype, kv_dtype or dtype):
+            return _kv_refusal(dtype, kv_dtype)
         if head_dim < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             return f"{num_heads} query heads over {num_kv_heads} KV heads (not a whole number per KV head)"
         return None

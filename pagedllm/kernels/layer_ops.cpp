@@ -50,8 +50,23 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
   }
 }
 
-// E: uint16_t (bf16 bits) or float, the element of qkv, the tables and the caches.
-template <typename E>
+// One head's D values into a cache row: copied where the cache has the activations' element,
+// else rounded to nearest even as torch's .to() rounds (the reference path's write_kv_cache).
+inline void store_row(uint16_t* dst, const uint16_t* src, int64_t D) { std::memcpy(dst, src, D * sizeof(uint16_t)); }
+inline void store_row(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+inline void store_row(at::BFloat16* dst, const float* src, int64_t D) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) d[i] = float_to_bf16_bits(src[i]);
+}
+// float16 saturates at +-65504 rather than store an infinity (as the reference's to_cache_dtype).
+inline void store_row(at::Half* dst, const float* src, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::Half>(std::min(65504.f, std::max(-65504.f, src[i])));
+}
+
+// E: uint16_t (bf16 bits) or float, the element of qkv and the tables; C: the caches' element (E,
+// or at::BFloat16 / at::Half under a float E: kv_cache_dtype narrower than the activations).
+template <typename E, typename C>
 void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64_t* sp, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
                                int64_t num_kv_heads) {
@@ -59,8 +74,8 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
   E* base = reinterpret_cast<E*>(qkv.data_ptr());
   const E* cp = reinterpret_cast<const E*>(cos.data_ptr());
   const E* snp = reinterpret_cast<const E*>(sin.data_ptr());
-  E* kc = reinterpret_cast<E*>(k_cache.data_ptr());
-  E* vc = reinterpret_cast<E*>(v_cache.data_ptr());
+  C* kc = reinterpret_cast<C*>(k_cache.data_ptr());
+  C* vc = reinterpret_cast<C*>(v_cache.data_ptr());
   const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D;
   const int64_t block_size = k_cache.size(2), head_stride = block_size * D, blk_stride = num_kv_heads * head_stride;
   at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
@@ -72,8 +87,8 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
       const E* k = row + num_heads * D;
       const int64_t at = (sp[t] / block_size) * blk_stride + (sp[t] % block_size) * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        std::memcpy(kc + at + h * head_stride, k + h * D, D * sizeof(E));
-        std::memcpy(vc + at + h * head_stride, k + kv_row + h * D, D * sizeof(E));
+        store_row(kc + at + h * head_stride, k + h * D, D);
+        store_row(vc + at + h * head_stride, k + kv_row + h * D, D);
       }
     }
   });
@@ -84,14 +99,16 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
 // qkv: [T, (H + 2 * Hkv) * D] bf16 or float32, rows may be strided; q and k parts are rotated in
 // place, then k and v are stored at slot_mapping in the paged caches [num_blocks, Hkv, block_size, D].
 // cos/sin: [max_positions, D] tables in qkv's dtype (the bf16 reference casts its float tables to
-// bf16 too). The caches are in qkv's dtype.
+// bf16 too). The caches are in qkv's dtype, or for float32 qkv bfloat16 / float16 (kv_cache_dtype).
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                           int64_t num_kv_heads) {
-  const auto dt = qkv.scalar_type();
-  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && k_cache.scalar_type() == dt &&
-                  v_cache.scalar_type() == dt && cos.scalar_type() == dt && sin.scalar_type() == dt,
-              "rope_and_cache_write: qkv, tables and caches all bfloat16 or all float32");
+  const auto dt = qkv.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && cos.scalar_type() == dt && sin.scalar_type() == dt &&
+                  v_cache.scalar_type() == ct &&
+                  (ct == dt || (dt == torch::kFloat && (ct == torch::kBFloat16 || ct == torch::kHalf))),
+              "rope_and_cache_write: qkv and tables all bfloat16 or all float32; caches of qkv's dtype, or "
+              "bfloat16 / float16 under float32 qkv");
   TORCH_CHECK(qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_and_cache_write: bad layout");
@@ -116,9 +133,13 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
                 " outside the cache (", num_slots, " slots)");
   }
   if (dt == torch::kBFloat16)
-    rope_and_cache_write_impl<uint16_t>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+    rope_and_cache_write_impl<uint16_t, uint16_t>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+  else if (ct == torch::kBFloat16)
+    rope_and_cache_write_impl<float, at::BFloat16>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+  else if (ct == torch::kHalf)
+    rope_and_cache_write_impl<float, at::Half>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
   else
-    rope_and_cache_write_impl<float>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+    rope_and_cache_write_impl<float, float>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
 }
 
 namespace {

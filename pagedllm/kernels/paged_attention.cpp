@@ -45,6 +45,9 @@ inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(s[i]);
 }
+inline void load_row(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 
 // softmax numerator in place; returns 1 / sum. (No infinities anywhere: built with -ffast-math.)
 inline float softmax_unnormalized(float* s, int64_t len) {
@@ -83,9 +86,10 @@ struct BlockStream {
 };
 
 // Portable path (any dtype, any head_dim): rows widened to float, compiler-vectorized loops.
-template <typename scalar_t>
+// scalar_t: of q and out; kv_t: of the caches (kv_cache_dtype).
+template <typename scalar_t, typename kv_t>
 void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int64_t end, const scalar_t* qp,
-                    const scalar_t* kp, const scalar_t* vp, scalar_t* op, const int64_t* table, float scale,
+                    const kv_t* kp, const kv_t* vp, scalar_t* op, const int64_t* table, float scale,
                     std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc,
                     std::vector<float>& row) {
   // keys first .. end - 1
@@ -97,7 +101,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int6
   scores.resize(G * len);
   for (int64_t i = 0; i < len; ++i) {
     const int64_t t = first + i;
-    const scalar_t* kt = kp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
+    const kv_t* kt = kp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(kt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = qf.data() + j * D;
@@ -112,7 +116,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int6
   acc.assign(G * D, 0.f);
   for (int64_t i = 0; i < len; ++i) {
     const int64_t t = first + i;
-    const scalar_t* vt = vp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
+    const kv_t* vt = vp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(vt, row.data(), D);
     for (int64_t j = 0; j < G; ++j) {
       const float p = scores[j * len + i];
@@ -564,7 +568,7 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEDLLM_AVX2_F32 1
 // float32 on AVX2 + FMA (the float path of CPUs without AVX512, e.g. AMD Zen 3).
 //
@@ -621,10 +625,18 @@ inline __m256 sum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(z[0], z[1], 0x20), _mm256_permute2f128_ps(z[0], z[1], 0x31));
 }
 
+// Eight K or V values widened to float: the cache holds float32, or bf16 / fp16 (kv_cache_dtype).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // Raw scores of query row q against the m <= 8 key rows k (row stride D); lanes >= m are 0. The
 // dims loop is outside the keys loop: 8 independent FMA chains (Zen 3: 2 FMAs of latency 4 in flight).
-template <int D, bool kFull>
-inline __m256 qk8(const float* k, const float* q, int m) {
+template <int D, bool kFull, typename KV>
+inline __m256 qk8(const KV* k, const float* q, int m) {
   __m256 a[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
@@ -633,25 +645,25 @@ inline __m256 qk8(const float* k, const float* q, int m) {
     const __m256 qc = _mm256_loadu_ps(q + 8 * c);
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i)
-      if (kFull || i < m) a[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + i * D + 8 * c), a[i]);
+      if (kFull || i < m) a[i] = _mm256_fmadd_ps(qc, load8(k + i * D + 8 * c), a[i]);
   }
   return sum8(a);
 }
 
 // Rows [from, to) of a run of one kv head (row stride D) asked for ahead of their use: blocks are
 // scattered (paging), so the hardware prefetcher stops at each block's end.
-template <int D>
-inline void prefetch_rows(const float* p, int64_t from, int64_t to) {
-  for (int64_t off = from * D; off < to * D; off += 16) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+template <int D, typename KV>
+inline void prefetch_rows(const KV* p, int64_t from, int64_t to) {
+  constexpr int64_t kLine = 64 / sizeof(KV);  // elements per cache line
+  for (int64_t off = from * D; off < to * D; off += kLine) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
 // p.v of n rows of V (row stride D, dims c0 .. c0 + 8W of them from v on) for J query heads whose
 // probabilities start at p (row stride ps), into acc (row stride D, same dims). The J x W
 // accumulators stay in registers for the run.
 // Row i of `ahead` (pf rows of it; may be null) is asked for while row i is read.
-template <int D, int W, int J>
-inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float* acc, const float* ahead,
-                   int64_t pf) {
+template <int D, int W, int J, typename KV>
+inline void pv_run(const KV* v, int64_t n, const float* p, int64_t ps, float* acc, const KV* ahead, int64_t pf) {
   __m256 a[J][W];
   for (int j = 0; j < J; ++j)
     for (int w = 0; w < W; ++w) a[j][w] = _mm256_loadu_ps(acc + j * D + 8 * w);
@@ -660,7 +672,7 @@ inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float*
     __m256 pj[J];
     for (int j = 0; j < J; ++j) pj[j] = _mm256_broadcast_ss(p + j * ps + i);
     for (int w = 0; w < W; ++w) {
-      const __m256 x = _mm256_loadu_ps(v + i * D + 8 * w);
+      const __m256 x = load8(v + i * D + 8 * w);
       for (int j = 0; j < J; ++j) a[j][w] = _mm256_fmadd_ps(pj[j], x, a[j][w]);
     }
   }
@@ -669,8 +681,9 @@ inline void pv_run(const float* v, int64_t n, const float* p, int64_t ps, float*
 }
 
 // Rows of one kv head contiguous in one block.
+template <typename KV>
 struct F32Run {
-  const float* p;
+  const KV* p;
   int64_t rows;
 };
 
@@ -678,27 +691,28 @@ struct F32Run {
 // Leaves the unnormalized p.v in acc [G][D], each head's scaled max score in mx and its sum of
 // e^(s - max) in sum. S: scratch [G][ss], ss >= t1 - t0 + 8. next: the first K run of the thread's
 // next item (null: none), asked for during this item's last V runs.
-template <int D>
-void attend_f32_chunk(const Geometry& g, const float* q0, const float* kp, const float* vp, const int64_t* table,
+template <int D, typename KV>
+void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV* vp, const int64_t* table,
                       int64_t h, int64_t t0, int64_t t1, float scale, float* S, int64_t ss, float* acc, float* mx,
-                      float* sum, F32Run next) {
+                      float* sum, F32Run<KV> next) {
+  using Run = F32Run<KV>;
   const int64_t G = g.group, bs = g.block_size, n = t1 - t0;
   // The chunk's keys as nr runs; run k starts at key tk (t - t0 into the scores).
   const int64_t b0 = t0 / bs, nr = (t1 - 1) / bs - b0 + 1;
   auto run_key = [&](int64_t k) { return k == 0 ? t0 : (b0 + k) * bs; };
-  auto run_of = [&](const float* base, int64_t k) {
+  auto run_of = [&](const KV* base, int64_t k) {
     const int64_t t = run_key(k);
-    return F32Run{base + g.head_block(table[b0 + k], h) + t % bs * D, std::min(bs - t % bs, t1 - t)};
+    return Run{base + g.head_block(table[b0 + k], h) + t % bs * D, std::min(bs - t % bs, t1 - t)};
   };
   // The runs in the order they are read (K runs, V runs, the next item's first K run): what to
   // ask for two runs ahead of the one being read.
   auto stream = [&](int64_t pos) {
     if (pos < nr) return run_of(kp, pos);
     if (pos < 2 * nr) return run_of(vp, pos - nr);
-    return pos == 2 * nr ? next : F32Run{nullptr, 0};
+    return pos == 2 * nr ? next : Run{nullptr, 0};
   };
   for (int64_t k = 0; k < nr; ++k) {
-    const F32Run run = run_of(kp, k), ahead = stream(k + 2), second = k == 0 ? stream(1) : F32Run{nullptr, 0};
+    const Run run = run_of(kp, k), ahead = stream(k + 2), second = k == 0 ? stream(1) : Run{nullptr, 0};
     const int64_t r = run_key(k) % bs, at = run_key(k) - t0, m = run.rows;
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = q0 + j * D;
@@ -749,11 +763,11 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const float* kp, const
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t k = 0; k < nr; ++k) {
-    const F32Run run = stream(nr + k), ahead = stream(nr + k + 2);
+    const Run run = stream(nr + k), ahead = stream(nr + k + 2);
     const float* pr = S + run_key(k) - t0;
     const int64_t m = run.rows;
     // the first pass over the run asks for the run two ahead, a row per row read
-    const float* pf = ahead.p;
+    const KV* pf = ahead.p;
     constexpr int W = D >= 32 ? 4 : D / 8;
     if (D >= 64 && G == 1) {  // one head: 8 accumulators (64 dims) for enough independent FMA chains
       for (int c = 0; c < D; c += 64) {
@@ -810,9 +824,10 @@ inline void merge_chunks(const float* rec, int64_t nch, int64_t G, int64_t D, fl
   }
 }
 
-template <int D>
-void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const float* kp, const float* vp,
-                     float* op, const int64_t* bt, const int64_t* lens, const int64_t* firsts, float scale) {
+template <int D, typename KV>
+void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const KV* kp, const KV* vp, float* op,
+                     const int64_t* bt, const int64_t* lens, const int64_t* firsts, float scale) {
+  using Run = F32Run<KV>;
   // Sequence s's keys are firsts[s] .. lens[s] - 1 (a sliding window's start, or 0); chunks split those.
   auto visible = [&](int64_t s) { return lens[s] - firsts[s]; };
   const int64_t H = g.num_kv_heads, G = g.group, R = chunk_record(G, D);
@@ -852,8 +867,8 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
     locate(item, s, h, c);
     const ChunkPlan p = chunk_plan(visible(s));
     const int64_t t0 = firsts[s] + c * p.len, t1 = std::min(lens[s], t0 + p.len), bs = g.block_size;
-    if (t1 <= t0) return F32Run{nullptr, 0};
-    return F32Run{kp + g.head_block(bt[s * g.max_blocks + t0 / bs], h) + t0 % bs * D, std::min(bs - t0 % bs, t1 - t0)};
+    if (t1 <= t0) return Run{nullptr, 0};
+    return Run{kp + g.head_block(bt[s * g.max_blocks + t0 / bs], h) + t0 % bs * D, std::min(bs - t0 % bs, t1 - t0)};
   };
 
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
@@ -875,7 +890,7 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
         // a split item writes its record; a whole one a record in scratch, normalized at once
         float* r = p.n > 1 ? rec + item * R : S + G * ss;
         attend_f32_chunk<D>(g, qp + s * g.q_stride + h * G * D, kp, vp, bt + s * g.max_blocks, h, t0, t1, scale, S,
-                            ss, r + 2 * G, r, r + G, item + 1 < bounds[tid + 1] ? first_run(item + 1) : F32Run{nullptr, 0});
+                            ss, r + 2 * G, r, r + G, item + 1 < bounds[tid + 1] ? first_run(item + 1) : Run{nullptr, 0});
         if (p.n == 1) {
           merge_chunks(r, 1, G, D, out_rows(s, h));
         } else if (c == p.n - 1 && item - c >= bounds[tid]) {
@@ -900,14 +915,15 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
 }
 
 // decode_f32_avx2 for this head_dim; false where there is none.
-inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp, const float* kp, const float* vp,
+template <typename KV>
+inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp, const KV* kp, const KV* vp,
                             float* op, const int64_t* bt, const int64_t* lens, const int64_t* firsts, float scale) {
   switch (g.head_dim) {
-    case 16: decode_f32_avx2<16>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
-    case 32: decode_f32_avx2<32>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
-    case 64: decode_f32_avx2<64>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
-    case 128: decode_f32_avx2<128>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
-    case 256: decode_f32_avx2<256>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 16: decode_f32_avx2<16, KV>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 32: decode_f32_avx2<32, KV>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 64: decode_f32_avx2<64, KV>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 128: decode_f32_avx2<128, KV>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
+    case 256: decode_f32_avx2<256, KV>(g, num_seqs, qp, kp, vp, op, bt, lens, firsts, scale); return true;
     default: return false;
   }
 }
@@ -915,7 +931,8 @@ inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp
 #define PAGEDLLM_AVX2_F32 0
 #endif
 
-template <typename scalar_t>
+// scalar_t: of q and out; kv_t: of the caches (scalar_t, or bf16 / fp16 under float32 q).
+template <typename scalar_t, typename kv_t = scalar_t>
 void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   Geometry g;
@@ -930,8 +947,8 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
   g.blk_stride = g.num_kv_heads * g.head_stride;
   g.q_stride = q.stride(0);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -946,7 +963,8 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
 #endif
   bool fast = false, amx = false;
 #if PAGEDLLM_AVX512BF16
-  fast = window <= 0 && std::is_same<scalar_t, at::BFloat16>::value && g.group <= 64 &&
+  fast = window <= 0 && std::is_same<scalar_t, at::BFloat16>::value && std::is_same<kv_t, scalar_t>::value &&
+         g.group <= 64 &&
          (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256);
 #endif
 #if PAGEDLLM_AMX
@@ -1054,9 +1072,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be like q");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2) &&
-                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() ||
+                   (q.scalar_type() == torch::kFloat &&
+                    (k_cache.scalar_type() == torch::kBFloat16 || k_cache.scalar_type() == torch::kHalf))),
               "paged_decode_attention: q [seqs, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim] "
-              "of q's dtype");
+              "of q's dtype, or bfloat16 / float16 under float32 q");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == q.size(0),
               "paged_decode_attention: one block table row and one length per sequence");
@@ -1070,7 +1091,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
       check_block_table_row("paged_decode_attention", s, btp + s * bt.size(1), bt.size(1), lp[s], k_cache.size(0),
                             k_cache.size(2), window > 0 ? std::max<int64_t>(0, lp[s] - window) : 0);
   }
-  if (q.scalar_type() == torch::kFloat) {
+  if (q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16) {
+    decode_impl<float, at::BFloat16>(out, q, k_cache, v_cache, bt, sl, scale, window);
+  } else if (q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kHalf) {
+    decode_impl<float, at::Half>(out, q, k_cache, v_cache, bt, sl, scale, window);
+  } else if (q.scalar_type() == torch::kFloat) {
     decode_impl<float>(out, q, k_cache, v_cache, bt, sl, scale, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
     decode_impl<at::BFloat16>(out, q, k_cache, v_cache, bt, sl, scale, window);

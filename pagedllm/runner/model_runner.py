@@ -78,19 +78,21 @@ class ModelRunner:
         """The compiled attention kernels this model's caches can use, decided once here: a kernel
         that refuses the shape would otherwise fail every step (the reference path takes any)."""
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-        refusal = kernels.decode_attention_refusal(k_cache.dtype, self.model.num_heads, num_kv_heads, head_dim)
+        # the queries' dtype: the caches' may be narrower (kv_cache_dtype)
+        act = self.model.activation_dtype() if hasattr(self.model, "activation_dtype") else k_cache.dtype
+        refusal = kernels.decode_attention_refusal(act, self.model.num_heads, num_kv_heads, head_dim, k_cache.dtype)
         if refusal is not None:
             logger.warning("pagedllm: the decode attention kernel does not take %s; it runs the PyTorch path", refusal)
         else:
             self.decode_kernel = kernels.paged_decode_attention
         # Available only where built with AVX512-BF16, for some head sizes: not a refusal worth a log line.
-        if k_cache.dtype == torch.bfloat16 and kernels.prefill_attention_available(head_dim, block_size):
+        if act == k_cache.dtype == torch.bfloat16 and kernels.prefill_attention_available(head_dim, block_size):
             self.prefill_kernel = kernels.paged_prefill_attention
         # float32 has no prefill kernel: its prefill queries run through the decode kernel, a row
         # each, so a row's result never depends on the chunk (torch's SDPA sums a row differently
         # for other query counts on AVX512 CPUs). bf16 keeps SDPA where its prefill kernel does not
         # run: the bf16 decode kernel rounds probabilities to bf16, further from transformers' bf16.
-        self.prefill_as_decode_rows = self.decode_kernel is not None and k_cache.dtype == torch.float32
+        self.prefill_as_decode_rows = self.decode_kernel is not None and act == torch.float32
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

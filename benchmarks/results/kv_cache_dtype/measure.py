@@ -1,0 +1,220 @@
+"""kv_cache_dtype side by side: float32 (the "auto" cache of GGUF models) vs bfloat16 vs float16.
+
+Parts (each alone under the benchmark lock; the caller takes it):
+  capacity    KV bytes per token and blocks per GiB, default model, Gemma 3 270M, the 1.7B shape;
+  attention   paged_decode_attention alone, 16 sequences x 8192 tokens of context, the 1.7B
+              shape's heads (32 query / 32 KV heads of 64), median ms per call of 7;
+  perplexity  `bench perplexity` (KJV Romans, context 512) of the default model (Q4_1 native)
+              and of the Gemma 3 270M Q4_K_M file, per KV dtype, and without compiled kernels
+              (float activations: how much the activation rounding alone moves it);
+  throughput  `bench throughput`, GGUF file of --gguf (a 1.7B-shape Q4_K_M), a fixed KV budget
+              (--kv-gib), --num-prompts x (150 + 128), every request submitted at once,
+              output tok/s and preemptions per KV dtype.
+
+    flock /tmp/pagedllm-bench.lock python3 benchmarks/results/kv_cache_dtype/measure.py \
+        capacity attention perplexity [throughput --gguf FILE]
+
+writes PART.json per part and results.md beside this script (with the CPU recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..", "..")
+TEXT = os.path.join(ROOT, "benchmarks", "data", "kjv-romans.txt")
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def machine() -> dict:
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    wanted = sorted(f for f in flags if f in ("avx2", "fma", "f16c", "avx_vnni", "amx_bf16") or f.startswith("avx512"))
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "flags": wanted}
+
+
+def capacity() -> dict:
+    import torch
+
+    from pagedllm.runner.kv_cache import GIB, kv_bytes_per_block
+
+    shapes = {  # layers, KV heads, head_dim
+        "smollm2-135m (default model)": (30, 3, 64),
+        "gemma3-270m": (18, 1, 256),
+        "smollm2-1.7b shape": (24, 32, 64),
+    }
+    rows = []
+    for name, (layers, heads, dim) in shapes.items():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            per_block = kv_bytes_per_block(layers, 16, heads, dim, dtype)
+            rows.append(
+                {
+                    "model": name,
+                    "kv_dtype": str(dtype).removeprefix("torch."),
+                    "bytes_per_token": per_block // 16,
+                    "blocks_per_gib": GIB // per_block,
+                }
+            )
+    return {"rows": rows}
+
+
+def attention() -> dict:
+    import torch
+
+    from pagedllm.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    seqs, ctx, heads, kv_heads, dim, bs = 16, 8192, 32, 32, 64, 16
+    blocks_per_seq = ctx // bs
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(seqs * blocks_per_seq, kv_heads, bs, dim, generator=g)
+    v = torch.randn(seqs * blocks_per_seq, kv_heads, bs, dim, generator=g)
+    tables = torch.randperm(seqs * blocks_per_seq, generator=g).view(seqs, blocks_per_seq)
+    lens = torch.full((seqs,), ctx, dtype=torch.long)
+    q = torch.randn(seqs, heads, dim, generator=g)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kc, vc = k.to(dtype), v.to(dtype)
+        out = torch.empty_like(q)
+        kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
+        times = []
+        for _ in range(7):
+            t = time.perf_counter()
+            kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
+            times.append(time.perf_counter() - t)
+        ms = 1000 * statistics.median(times)
+        cache_bytes = 2 * kc.numel() * kc.element_size()
+        name = str(dtype).removeprefix("torch.")
+        rows.append({"kv_dtype": name, "ms": round(ms, 2), "GB_per_s": round(cache_bytes / ms / 1e6, 1)})
+    base = rows[0]["ms"]
+    for r in rows:
+        r["speedup_vs_float32"] = round(base / r["ms"], 2)
+    return {
+        "shape": {"seqs": seqs, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": dim},
+        "isa": kernels.compiled_isa(),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def _cli(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pagedllm.entrypoints.cli", *args]
+
+
+def perplexity() -> dict:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from gemma3_real_file import assemble
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"smollm2-135m-instruct (Q4_1)": "smollm2-135m-instruct", "gemma3-270m (Q4_K_M)": assemble(tmp)}
+        for name, model in models.items():
+            # the last: attention_backend "torch" runs no compiled kernel at all, so the GGUF
+            # layers dequantize and multiply in float: the float-activation run, which shows how
+            # far the int8 / int16 activation rounding alone already moves this model
+            for kv, backend in [(kv, "auto") for kv in KV_DTYPES] + [("float32", "torch")]:
+                out = os.path.join(tmp, "ppl.json")
+                cmd = ["bench", "perplexity", "--model", model, "--text", TEXT, "--context", "512"]
+                cmd += ["--kv-cache-dtype", kv, "--attention-backend", backend, "--output-json", out]
+                subprocess.run(_cli(cmd), check=True)
+                with open(out) as fh:
+                    res = json.load(fh)
+                kind = res["kv_cache_dtype"] + (" (no kernels: float activations)" if backend == "torch" else "")
+                rows.append({"model": name, "kv_dtype": kind, "ppl": res["ppl"], "chunks": res["chunks"]})
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b["kv_dtype"] == "float32")
+        r["vs_float32_pct"] = round(100 * (r["ppl"] / base["ppl"] - 1), 4)
+    return {"text": "benchmarks/data/kjv-romans.txt", "context": 512, "rows": rows}
+
+
+def throughput(gguf: str, kv_gib: float, num_prompts: int) -> dict:
+    rows = []
+    if True:
+        for kv in KV_DTYPES:
+            cmd = ["bench", "throughput", "--model", gguf, "--workload", "fixed", "--input-len", "150"]
+            cmd += ["--output-len", "128", "--num-prompts", str(num_prompts), "--repeats", "1", "--no-save"]
+            cmd += ["--kv-cache-memory-gib", str(kv_gib), "--max-num-seqs", str(num_prompts), "--kv-cache-dtype", kv]
+            out = subprocess.run(_cli(cmd), check=True, capture_output=True, text=True).stdout
+            res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+            rows.append(
+                {
+                    "kv_dtype": res["kv_cache_dtype"],
+                    "output_tok_s": res["output_tok_s"],
+                    "wall_s": res["wall_s"],
+                    "num_preemptions": res["num_preemptions"],
+                    "kv_cache_tokens": res["kv_cache_tokens"],
+                }
+            )
+    base = rows[0]["output_tok_s"]
+    for r in rows:
+        r["vs_float32"] = round(r["output_tok_s"] / base, 2)
+    return {"model": os.path.basename(gguf), "kv_gib": kv_gib, "num_prompts": num_prompts, "rows": rows}
+
+
+def markdown(results: dict) -> str:
+    lines = ["# kv_cache_dtype: float32 vs bfloat16 vs float16 KV caches", ""]
+    m = results.get("machine", {})
+    lines += [f"Machine: {m.get('cpu')}, {m.get('cores')} cores, flags {' '.join(m.get('flags', []))}.", ""]
+    lines += ["Command:", "", "```", results.get("command", ""), "```", ""]
+    for part, data in results.items():
+        if part in ("machine", "command") or not isinstance(data, dict) or "rows" not in data:
+            continue
+        lines.append(f"## {part}")
+        lines.append("")
+        extra = {k: v for k, v in data.items() if k != "rows"}
+        if extra:
+            lines += [", ".join(f"{k}: {v}" for k, v in extra.items()), ""]
+        cols = list(data["rows"][0])
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        for r in data["rows"]:
+            lines.append("| " + " | ".join(str(r.get(c)) for c in cols) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("parts", nargs="+", choices=("capacity", "attention", "perplexity", "throughput"))
+    p.add_argument("--gguf", help="the 1.7B-shape Q4_K_M file (throughput)")
+    p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument("--num-prompts", type=int, default=64)
+    args = p.parse_args()
+    path = os.path.join(HERE, "results.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
+    results["machine"] = machine()
+    shown = " ".join(a if "/" not in a or a.startswith("benchmarks") else "FILE" for a in sys.argv[1:])
+    results["command"] = f"flock /tmp/pagedllm-bench.lock python3 benchmarks/results/kv_cache_dtype/measure.py {shown}"
+    for part in args.parts:
+        t = time.perf_counter()
+        if part == "throughput":
+            results[part] = throughput(args.gguf, args.kv_gib, args.num_prompts)
+        else:
+            results[part] = {"capacity": capacity, "attention": attention, "perplexity": perplexity}[part]()
+        results[part]["seconds"] = round(time.perf_counter() - t, 1)
+        print(json.dumps({part: results[part]}), flush=True)
+    with open(path, "w") as fh:
+        json.dump(results, fh, indent=1)
+    with open(os.path.join(HERE, "results.md"), "w") as fh:
+        fh.write(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
