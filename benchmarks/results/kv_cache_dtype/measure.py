@@ -144,24 +144,23 @@ def perplexity() -> dict:
     return {"text": "benchmarks/data/kjv-romans.txt", "context": 512, "rows": rows}
 
 
-def throughput(gguf: str, kv_gib: float, num_prompts: int) -> dict:
+def throughput(gguf: str, kv_gib: float, num_prompts: int, kv_dtypes: list[str]) -> dict:
     rows = []
-    if True:
-        for kv in KV_DTYPES:
-            cmd = ["bench", "throughput", "--model", gguf, "--workload", "fixed", "--input-len", "150"]
-            cmd += ["--output-len", "128", "--num-prompts", str(num_prompts), "--repeats", "1", "--no-save"]
-            cmd += ["--kv-cache-memory-gib", str(kv_gib), "--max-num-seqs", str(num_prompts), "--kv-cache-dtype", kv]
-            out = subprocess.run(_cli(cmd), check=True, capture_output=True, text=True).stdout
-            res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
-            rows.append(
-                {
-                    "kv_dtype": res["kv_cache_dtype"],
-                    "output_tok_s": res["output_tok_s"],
-                    "wall_s": res["wall_s"],
-                    "num_preemptions": res["num_preemptions"],
-                    "kv_cache_tokens": res["kv_cache_tokens"],
-                }
-            )
+    for kv in kv_dtypes:
+        cmd = ["bench", "throughput", "--model", gguf, "--workload", "fixed", "--input-len", "150"]
+        cmd += ["--output-len", "128", "--num-prompts", str(num_prompts), "--repeats", "1", "--no-save"]
+        cmd += ["--kv-cache-memory-gib", str(kv_gib), "--max-num-seqs", str(num_prompts), "--kv-cache-dtype", kv]
+        out = subprocess.run(_cli(cmd), check=True, capture_output=True, text=True).stdout
+        res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+        rows.append(
+            {
+                "kv_dtype": res["kv_cache_dtype"],
+                "output_tok_s": res["output_tok_s"],
+                "wall_s": res["wall_s"],
+                "num_preemptions": res["num_preemptions"],
+                "kv_cache_tokens": res["kv_cache_tokens"],
+            }
+        )
     base = rows[0]["output_tok_s"]
     for r in rows:
         r["vs_float32"] = round(r["output_tok_s"] / base, 2)
@@ -196,6 +195,7 @@ def main() -> None:
     p.add_argument("--gguf", help="the 1.7B-shape Q4_K_M file (throughput)")
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="throughput: which caches, float32 first")
     args = p.parse_args()
     path = os.path.join(HERE, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
@@ -205,7 +205,7 @@ def main() -> None:
     for part in args.parts:
         t = time.perf_counter()
         if part == "throughput":
-            results[part] = throughput(args.gguf, args.kv_gib, args.num_prompts)
+            results[part] = throughput(args.gguf, args.kv_gib, args.num_prompts, args.kv_dtypes.split(","))
         else:
             results[part] = {"capacity": capacity, "attention": attention, "perplexity": perplexity}[part]()
         results[part]["seconds"] = round(time.perf_counter() - t, 1)
