@@ -330,6 +330,7 @@ def _engine_run(model_dir: str, requests: list[dict], **kw) -> dict:
     args = Namespace(
         model=model_dir,
         dtype="float32",
+        kv_cache_dtype="auto",
         num_kv_tokens=kw["num_kv_tokens"],
         max_model_len=128,
         max_num_seqs=256,

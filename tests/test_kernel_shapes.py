@@ -166,10 +166,10 @@ def test_unusual_head_dim_matches_transformers_in_float32(head_dim_models, head_
 class RefusingKernels(CpuKernels):
     """The real kernels, refusing every shape: what an unsupported model looks like to the engine."""
 
-    def layer_ops_refusal(self, dtype, num_heads, num_kv_heads, head_dim):
+    def layer_ops_refusal(self, dtype, num_heads, num_kv_heads, head_dim, kv_dtype=None):
         return f"head_dim {head_dim} (refused for the test)"
 
-    def decode_attention_refusal(self, dtype, num_heads, num_kv_heads, head_dim):
+    def decode_attention_refusal(self, dtype, num_heads, num_kv_heads, head_dim, kv_dtype=None):
         return f"head_dim {head_dim} (refused for the test)"
 
 

@@ -83,6 +83,7 @@ def test_bench_records_block_frames_and_animates_them(tiny_llama, tmp_path):
     args = Namespace(
         model=tiny_llama,
         dtype="float32",
+        kv_cache_dtype="auto",
         num_kv_tokens=256,
         max_model_len=128,
         max_num_seqs=256,
