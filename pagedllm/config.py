@@ -19,13 +19,6 @@ _QUANTIZATIONS = ("auto", "gguf", None)
 # kv_cache_dtype: "auto" (models/loader.py resolve_kv_cache_dtype) or a named store; vLLM's 8-bit
 # names are refused by name until they have kernels.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_CACHE_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-}
 _KV_CACHE_DTYPES_NOT_YET = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
@@ -122,7 +115,7 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {(*_DTYPES, *_DTYPE_ALIASES)}, got {self.dtype!r}.")
         kv = str(self.kv_cache_dtype).lower()
-        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(kv, kv)
+        self.kv_cache_dtype = _DTYPE_ALIASES.get(kv, kv)  # the dtype spellings
         if self.kv_cache_dtype in _KV_CACHE_DTYPES_NOT_YET:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the 8-bit caches have no kernels; "

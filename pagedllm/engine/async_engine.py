@@ -11,16 +11,14 @@ Outputs go back to each request's own RequestStream (request_stream.py) through
 ``loop.call_soon_threadsafe`` (one call per step and event loop, not one per token).
 
 When no request is unfinished the thread sleeps on a threading.Event that every command sets:
-no busy polling.
+no busy polling. Between steps, and once a minute while idle, it hands the heap's free pages back
+to the OS (host_memory.PeriodicHeapRelease): RSS follows live memory, not its peak.
 
 Stats for /metrics are pushed, not queried: the engine thread publishes a snapshot of get_stats()
 at most once per ``STATS_INTERVAL_S`` while it steps, and after every step that leaves it idle
 (before that step's outputs are delivered, so a client that got its response scrapes the counters
 that include it). A scrape reads the latest snapshot and never waits on, or wakes, the engine
 thread: a flood of scrapes cannot slow the steps.
-
-Host memory: between steps, at most once a minute, the thread hands the heap's free pages back to
-the OS (host_memory.PeriodicHeapRelease), so RSS follows live memory rather than its peak.
 
 Fault containment: a step that raises is retried on subsets of the requests it scheduled
 (bisection, ``LLMEngine.step(only_requests=...)``; the others keep their blocks and wait) until
@@ -81,7 +79,7 @@ class AsyncLLMEngine:
         self.num_step_errors = 0  # steps that raised, retries included
         self.consecutive_step_failures = 0  # failed (non-retry) steps since the last good step
         self.max_step_failures = 3
-        self.heap_release = PeriodicHeapRelease()  # RSS must not ratchet up over days of serving
+        self.heap_release = PeriodicHeapRelease()
         # Called (from the engine thread) when the thread dies of an exception, not on shutdown().
         self.on_dead: Callable[[BaseException], None] | None = None
 
@@ -156,23 +154,18 @@ class AsyncLLMEngine:
     async def get_stats(self) -> dict:
         """LLMEngine.get_stats(), computed by the engine thread between steps (a consistent snapshot),
         with this thread's step-failure counters."""
-        stats = await self._query(self.engine.get_stats)
-        return {
-            **stats,
-            "num_step_errors": self.num_step_errors,
-            "consecutive_step_failures": self.consecutive_step_failures,
-        }
+        return self._with_step_counters(await self._query(self.engine.get_stats))
 
     async def get_stats_snapshot(self) -> dict:
         """get_stats() as the engine thread last published it (see the module docstring): at most
         STATS_INTERVAL_S old while requests run, current while the engine is idle. No query."""
         if not self.is_running:
             raise EngineDeadError("The engine is not running.")
-        return {
-            **self._stats,
-            "num_step_errors": self.num_step_errors,
-            "consecutive_step_failures": self.consecutive_step_failures,
-        }
+        return self._with_step_counters(self._stats)
+
+    def _with_step_counters(self, stats: dict) -> dict:
+        failures = self.consecutive_step_failures
+        return {**stats, "num_step_errors": self.num_step_errors, "consecutive_step_failures": failures}
 
     async def get_kv_blocks(self, replica: int | None = None) -> dict:
         """LLMEngine.get_kv_blocks(), taken by the engine thread between steps (a consistent snapshot).
@@ -368,13 +361,12 @@ class AsyncLLMEngine:
                 changed = self._drain_commands()
                 if self._stop:
                     break
+                self.heap_release.maybe_release()  # at most once a minute
                 if not self.engine.has_unfinished_requests():
                     if changed:  # an add or abort the engine took without a step since
                         self._publish_stats(force=True)
-                    self.heap_release.maybe_release()
                     self._wake.wait(self.heap_release.interval_s)  # wakes to trim what the last steps freed
                     continue
-                self.heap_release.maybe_release()
                 if not self._step():
                     # Pause briefly (commands still wake us): should the engine keep requests we
                     # could not abort, failing steps must not spin the CPU.

@@ -94,15 +94,10 @@ def load_engine_model(config: EngineConfig, tensor_parallel=None) -> LoadedModel
         weights = iter_safetensors(model_path)
     model = load_model(weights, hf_config, methods, max_model_len, tensor_parallel)
     log_weight_formats(model, native_gguf or model_path, kernels)
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, quantized_weights=_runs_weight_blocks(model))
+    from pagedllm.models.quantized_linear import runs_weight_blocks  # here: gguf loads only when used
+
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, quantized_weights=runs_weight_blocks(model))
     return LoadedModel(model_path, hf_config, max_model_len, dtype, device, kernels, model, kv_dtype)
-
-
-def _runs_weight_blocks(model: torch.nn.Module) -> bool:
-    """Whether any GEMM of the model runs GGUF blocks (an F32 / F16 GGUF is a float model)."""
-    from pagedllm.models.quantized_linear import QuantizedLinear
-
-    return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def linear_methods(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethods:

@@ -52,6 +52,11 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(qweight.shape[0], k))
 
 
+def runs_weight_blocks(model: nn.Module) -> bool:
+    """Whether any GEMM of the model runs GGUF blocks (an F32 / F16 GGUF is a float model)."""
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ W^T (+ bias) with W as GGUF blocks. ``kernels``: the compiled CPU kernels, or None
     for the reference path. The layer owns ``qweight``: with the kernels, Q4_x / Q5_x / Q8_0 rows are
