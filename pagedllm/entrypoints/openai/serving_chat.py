@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.structured import check_constraint_size, struct
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.logprobs import Logprob
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
@@ -103,13 +104,15 @@ class OpenAIServingChat(OpenAIServing):
             check_constraint_size(constraint, field, self.limits)
         return plan, constraint, field
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        arrival = time.monotonic()
-        model = self.check_model(req.model)
+    async def start(
+        self, req: ChatCompletionRequest, request_id: str, arrival: float
+    ) -> tuple[ToolPlan | None, dict, SamplingParams, list[OutputStream]]:
+        """Checks a chat request against the server's caps, renders its prompt and adds it to the
+        engine: (tool plan, prompt, sampling params, streams). Shared with /v1/responses, whose
+        requests become chat requests."""
         if req.top_logprobs and not req.logprobs:
             raise APIError("When using top_logprobs, logprobs must be set to true.", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        top = self.num_top(logprobs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if len(req.messages) > self.limits.max_messages:
             raise APIError(
@@ -135,7 +138,6 @@ class OpenAIServingChat(OpenAIServing):
             req.chat_template_kwargs,
             tools=plan.tools if plan is not None else None,
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The engine would slice the same; here too, so the streamed usage counts what runs.
         prompt["prompt_token_ids"] = truncate_prompt(prompt["prompt_token_ids"], params, self.max_model_len)
         self.check_request_tokens([prompt], params)
@@ -144,6 +146,15 @@ class OpenAIServingChat(OpenAIServing):
             shape = PromptResponse([n_prompt], [0], params.n, prompt_top=self.num_top(req.prompt_logprobs))
             check_prompt_response(shape, self.limits.max_prompt_response_bytes)
         streams = await self.add_requests(request_id, [prompt], params, arrival, constraint_field)
+        return plan, prompt, params, streams
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        model = self.check_model(req.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        plan, prompt, params, streams = await self.start(req, request_id, arrival)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        top = self.num_top(logprobs)
         if req.stream:
             return AbortOnCloseStreamingResponse(
                 self._stream(req, request_id, model, streams, prompt, params.n, plan), streams

@@ -330,9 +330,14 @@ class OpenAIServing:
         """The SSE error event that ends a stream which failed after its 200 went out (the caller
         sends ``[DONE]`` after it, as OpenAI's and vLLM's servers do, so clients see an error,
         not a cut connection)."""
+        return sse(OpenAIServing.stream_failure(e).to_dict())
+
+    @staticmethod
+    def stream_failure(e: Exception) -> APIError:
+        """What a client is told of a stream that failed after its 200 went out."""
         if isinstance(e, RequestFailedError):  # its message is generic: the details are only logged
-            return sse(APIError(str(e), 500).to_dict())
+            return APIError(str(e), 500)
         if isinstance(e, EngineDeadError):
-            return sse(APIError("The engine is not running.", 503).to_dict())
+            return APIError("The engine is not running.", 503)
         logger.error("streamed response failed", exc_info=e)  # a bug of ours: its text stays in the log
-        return sse(APIError("Internal server error.", 500).to_dict())
+        return APIError("Internal server error.", 500)
