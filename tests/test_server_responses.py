@@ -24,6 +24,8 @@ from pagedllm.entrypoints.openai.responses_input import input_messages
 MODEL = "tiny"
 STORE_SIZE = 6
 MAX_MESSAGES = 12
+# Enough for any JSON the schemas below allow (a string's characters may be written as escapes)
+MAX_JSON_TOKENS = 160
 EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {
     "type": "function",
@@ -48,7 +50,10 @@ TIME = {
 }
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -209,6 +214,17 @@ def test_tool_loop_over_previous_response_id(client):
     assert replayed.usage.input_tokens == last.usage.input_tokens
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_required_tool_choice(client, streamed):
+    # One call (parallel_tool_calls off): a list of calls could go on past any max_output_tokens
+    kw = {"input": "Weather or time?", "tools": [WEATHER, TIME], "tool_choice": "required"}
+    kw |= {"parallel_tool_calls": False, "max_output_tokens": MAX_JSON_TOKENS}
+    r = stream(client, **kw)[-1].response if streamed else create(client, **kw)
+    assert r.status == "completed" and [i.type for i in r.output] == ["function_call"]
+    (call,) = function_calls(r)
+    check_call(call, {"get_weather": WEATHER, "get_time": TIME}[call.name])
+
+
 def test_instructions_are_not_carried_over(client):
     first = create(client, input="Hi.", instructions="You are a pirate. " * 10, max_output_tokens=2)
     second = create(client, input="Hi.", previous_response_id=first.id, max_output_tokens=2)
@@ -222,7 +238,7 @@ def test_instructions_are_not_carried_over(client):
 @pytest.mark.parametrize("streamed", [False, True])
 def test_json_schema_text_format(client, streamed):
     fmt = {"format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}}
-    kw = {"input": "A person as JSON.", "text": fmt, "max_output_tokens": 60}
+    kw = {"input": "A person as JSON.", "text": fmt, "max_output_tokens": MAX_JSON_TOKENS}
     r = stream(client, **kw)[-1].response if streamed else create(client, **kw)
     assert r.status == "completed" and r.text.format.type == "json_schema"
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
@@ -300,6 +316,8 @@ def post(server, body: dict) -> httpx.Response:
         ({"model": MODEL, "input": "x", "truncation": "auto"}, "truncation"),
         ({"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"]}, "include"),
         ({"model": MODEL, "input": "x", "max_output_tokens": 10**9}, "max_output_tokens"),
+        ({"model": MODEL, "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"model": MODEL, "input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
         ({"model": MODEL, "input": "x" * 10**6}, "input"),
     ],
 )

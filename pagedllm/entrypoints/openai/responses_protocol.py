@@ -19,6 +19,9 @@ from pydantic import Field
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import SamplingFields, _Request
 
+# OpenAI's bounds on metadata
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
 
 class ResponsesRequest(_Request, SamplingFields):
     model: str | None = None
@@ -67,7 +70,17 @@ def _refusals(req: ResponsesRequest) -> list[tuple[str, bool, str]]:
 
 
 def check_supported(req: ResponsesRequest) -> None:
-    """A 400 naming the first field the request sets that this server cannot honour."""
+    """A 400 naming the first field the request sets that this server cannot honour, or
+    metadata over OpenAI's bounds (it is stored and echoed)."""
     for field, asked, why in _refusals(req):
         if asked:
             raise APIError(f"'{field}' is not supported: {why}.", param=field)
+    metadata = req.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS or any(
+        len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items()
+    ):
+        raise APIError(
+            f"metadata may hold at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY_CHARS} "
+            f"characters and values of at most {MAX_METADATA_VALUE_CHARS}.",
+            param="metadata",
+        )

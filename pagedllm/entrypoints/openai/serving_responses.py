@@ -150,10 +150,10 @@ def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> Non
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create(body, raw_request)
 
-    @app.get("/v1/responses/{response_id}", responses=stored_errors)
-    async def retrieve_response(response_id: str) -> dict:
+    # One route for both methods: a 405 on this path then lists both in its Allow header.
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], responses=stored_errors)
+    async def stored_response(response_id: str, request: Request) -> dict:
+        """GET: the stored response; DELETE: removes it."""
+        if request.method == "DELETE":
+            return responses.delete(response_id)
         return responses.retrieve(response_id)
-
-    @app.delete("/v1/responses/{response_id}", responses=stored_errors)
-    async def delete_response(response_id: str) -> dict:
-        return responses.delete(response_id)
