@@ -20,6 +20,9 @@ from test_server import ServerProcess
 
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_input import input_messages
+from pagedllm.entrypoints.openai.responses_streaming import ResponseEvents, StreamedOutput
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan
+from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
 
 MODEL = "tiny"
 STORE_SIZE = 6
@@ -370,3 +373,29 @@ def test_items_become_chat_messages():
     assert messages[0]["content"] == "a\nb"
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"] and messages[1]["content"] == "calling"
     assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "1"}
+
+
+def test_auto_tool_calls_stream_after_the_text():
+    """tool_choice "auto" (a server with a tool parser): the text before the call streams as it
+    grows, the call's marker is held back, and the call follows as its own item."""
+    plan = ToolPlan("auto", [], parser=HermesToolParser())
+    events = ResponseEvents()
+    output = StreamedOutput(events, plan)
+    text = 'Checking. <tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>'
+    sse = [e for n in range(1, len(text) + 1) for e in output.update(text[:n], n == len(text))]
+    sse += output.finish(text, "completed")
+    parsed = [EVENTS.validate_python(json.loads(e.split("data: ", 1)[1])) for e in sse]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    deltas = "".join(e.delta for e in parsed if e.type == "response.output_text.delta")
+    assert deltas == "Checking. " and "<" not in deltas
+    assert [e.type for e in parsed if "output_item" in e.type] == [
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.output_item.done",
+    ]
+    message, call = output.items
+    assert message["type"] == "message" and message["content"][0]["text"] == deltas
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call", "get_time", {"zone": 1})
+    arguments = [e for e in parsed if e.type.startswith("response.function_call_arguments")]
+    assert [e.output_index for e in arguments] == [1, 1] and arguments[0].delta == call["arguments"]
