@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.anthropic_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.errors import APIError, validation_error_message
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan
 from pagedllm.entrypoints.openai.tool_parsers import loads
@@ -172,7 +172,11 @@ def to_chat_request(req: CountTokensRequest) -> ChatTranslation:
         )
     else:  # what is counted is the prompt: no tool plan (no parser needed), one token to run
         body.update(max_tokens=1, tool_choice="none" if req.tools else None)
-    chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    try:
+        chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:  # the chat shape nests tool inputs deeper: its depth cap can refuse them
+        message, param = validation_error_message(list(e.errors()))
+        raise APIError(message, param=param) from None
     return ChatTranslation(chat, req.messages[-1].role == "assistant", parallel, stop)
 
 
