@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: the FastAPI app with its routes (``build_app``), and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (serving_responses.py),
-/tokenize, /detokenize (bearer auth when an API key is set), /health, /version, /metrics
-(Prometheus), /stats (JSON engine stats), /kv (a live view of the KV cache) and /kv/blocks (its data: kv_view.py).
+Anthropic's /v1/messages and /v1/messages/count_tokens (serving_messages.py), /tokenize,
+/detokenize (the API key, when one is set, as a Bearer token or x-api-key), /health, /version,
+/metrics (Prometheus), /stats (JSON engine stats), /kv (a live view of the KV cache) and
+/kv/blocks (its data: kv_view.py).
 
 Every error is answered in OpenAI's shape with a 4xx status when the input is at fault
 (error_handlers.py; middleware.py for API keys, Host headers and body sizes); FastAPI's 422
@@ -60,6 +62,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.response_store import DEFAULT_STORE_SIZE, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import add_messages_routes
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import tool_parser
@@ -221,6 +224,7 @@ def build_app(
         return await chat.create_chat_completion(body, raw_request)
 
     add_responses_routes(app, OpenAIServingResponses(chat, ResponseStore(responses_store_size)))
+    add_messages_routes(app, chat)
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **REQUEST_ERRORS})
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -18,7 +18,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from pagedllm.entrypoints.openai.tool_parsers import PARSERS
 
     p = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses)"
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses; "
+        "Anthropic's /v1/messages)",
     )
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -27,7 +29,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--api-key",
         action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics); repeat the "
+        help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on every route but "
+        "/health (and /metrics); repeat the "
         "flag or separate keys by commas to accept several (default: $PAGEDLLM_API_KEY)",
     )
     p.add_argument(

@@ -69,7 +69,8 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def cached_tokens(out: RequestOutput | None) -> int:
-    """The prompt tokens this request found in the prefix cache, as the engine counted them."""
+    """The prompt tokens this request found in the prefix cache, as the engine counted them
+    (RequestOutput.num_cached_tokens: the number chat's and completions' cached_tokens report)."""
     return out.num_cached_tokens if out is not None else 0
 
 

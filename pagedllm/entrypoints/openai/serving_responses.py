@@ -1,6 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
 
-A response runs as a chat completion (serving_chat.py's ``start``: chat template, tool plan,
+A response runs as a chat completion (serving_chat.py's ``prepare``: chat template, tool plan,
 structured outputs, sampling and the server's caps), translated in (responses_input.py) and out
 (responses_output.py, responses_streaming.py). Stored responses (``store``, by default true as
 OpenAI's) are kept in a bounded in-memory store (response_store.py) for retrieval and for
@@ -68,8 +68,10 @@ class OpenAIServingResponses:
         conversation, chat_req = chat_request(req, history)
         shell = ResponseShell(req, model, text_format(req.text))
         with responses_params():
-            plan, prompt, _, streams = await self.chat.start(chat_req, shell.id, arrival)
-        n_prompt = len(prompt["prompt_token_ids"])
+            prep = await self.chat.prepare(chat_req)
+            # inside too: the engine's refusals name the request field the constraint came from
+            streams = await self.chat.add_requests(shell.id, [prep.prompt], prep.params, arrival, prep.constraint_field)
+        plan, n_prompt = prep.plan, len(prep.prompt["prompt_token_ids"])
         if req.stream:
             return AbortOnCloseStreamingResponse(self._stream(shell, streams, plan, n_prompt, conversation), streams)
         try:
