@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: the FastAPI app with its routes (``build_app``), and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize (bearer auth
-when an API key is set), /health, /version, /metrics (Prometheus), /stats (JSON engine stats),
-/kv (a live view of the KV cache) and /kv/blocks (its data: kv_view.py).
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (serving_responses.py),
+Anthropic's /v1/messages and /v1/messages/count_tokens (serving_messages.py), /tokenize,
+/detokenize (the API key, when one is set, as a Bearer token or x-api-key), /health, /version,
+/metrics (Prometheus), /stats (JSON engine stats), /kv (a live view of the KV cache) and
+/kv/blocks (its data: kv_view.py).
 
 Every error is answered in OpenAI's shape with a 4xx status when the input is at fault
 (error_handlers.py; middleware.py for API keys, Host headers and body sizes); FastAPI's 422
@@ -57,8 +59,11 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.response_store import DEFAULT_STORE_SIZE, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_messages import add_messages_routes
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import tool_parser
 from pagedllm.host_memory import release_freed_heap
@@ -82,6 +87,7 @@ def build_app(
     show_model_path: bool = False,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    responses_store_size: int = DEFAULT_STORE_SIZE,
 ) -> FastAPI:
     """The FastAPI app around a (not yet started) engine client (an AsyncLLMEngine, or the
     data-parallel replicas' client); the app's lifespan runs the engine.
@@ -89,7 +95,7 @@ def build_app(
     ``show_model_path``: /v1/models gives the model's folder as ``root`` (by default the served
     name: a local path tells clients about the server's file system). ``tool_call_parser`` /
     ``enable_auto_tool_choice``: how tool_choice "auto" reads calls from the model's text
-    (tool_parsers.py)."""
+    (tool_parsers.py). ``responses_store_size``: responses /v1/responses keeps (response_store.py)."""
     facts = engine.facts
     metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=facts.max_model_len)
     if not metrics.cache_config:
@@ -217,6 +223,9 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(body, raw_request)
 
+    add_responses_routes(app, OpenAIServingResponses(chat, ResponseStore(responses_store_size)))
+    add_messages_routes(app, chat)
+
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **REQUEST_ERRORS})
     async def tokenize(body: TokenizeRequest) -> dict:
         return await tokenization.tokenize(body)
@@ -291,6 +300,7 @@ def run_server(args: argparse.Namespace) -> int:
         show_model_path=args.show_model_path,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store_size=args.responses_store_size,
     )
     if not loopback:
         logger.warning(

@@ -14,9 +14,14 @@ import uvicorn  # noqa: F401, E402  isort: skip
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
+    from pagedllm.entrypoints.openai.response_store import DEFAULT_STORE_SIZE
     from pagedllm.entrypoints.openai.tool_parsers import PARSERS
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses; "
+        "Anthropic's /v1/messages)",
+    )
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -24,7 +29,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--api-key",
         action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics); repeat the "
+        help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on every route but "
+        "/health (and /metrics); repeat the "
         "flag or separate keys by commas to accept several (default: $PAGEDLLM_API_KEY)",
     )
     p.add_argument(
@@ -83,6 +89,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         choices=sorted(PARSERS),
         default=None,
         help="how tool calls are read from the model's text, in its chat template's format",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_STORE_SIZE,
+        help="responses /v1/responses keeps for retrieval and previous_response_id, least recently used "
+        f"evicted first; 0 keeps none (default: {DEFAULT_STORE_SIZE})",
     )
     p.add_argument(
         "--max-request-body-bytes",

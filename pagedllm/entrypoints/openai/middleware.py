@@ -2,7 +2,8 @@
 
 Plain ASGI middleware, apart from the routes: each check runs before the body is read (a 401 beats
 a 400 or 413, and an unauthenticated client never makes the server buffer) and answers in OpenAI's
-error shape itself, outside the app's exception handlers (error_handlers.py).
+error shape itself (Anthropic's on the Messages paths: anthropic_errors.py), outside the app's
+exception handlers (error_handlers.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ import json
 import secrets
 from typing import Any
 
+from pagedllm.entrypoints.openai.anthropic_errors import anthropic_error_body, is_messages_path
 from pagedllm.entrypoints.openai.errors import APIError
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+async def _send_error(send: Any, scope: Any, err: APIError) -> None:
+    """``err`` in the error shape of the route asked for: Anthropic's on the Messages paths."""
+    body = anthropic_error_body(err) if is_messages_path(scope.get("path", "")) else err.to_dict()
+    await _send_json(send, err.status_code, body)
 
 
 async def _send_json(send: Any, status: int, body: dict) -> None:
@@ -38,26 +46,30 @@ PUBLIC_PATHS = frozenset({"/health", "/kv"})
 
 
 class AuthMiddleware:
-    """Bearer-token check on every route but PUBLIC_PATHS (and /metrics unless ``metrics_require_key``),
-    before the body is read (so 401 beats 400/413). Any of several keys is accepted."""
+    """API-key check on every route but PUBLIC_PATHS (and /metrics unless ``metrics_require_key``),
+    before the body is read (so 401 beats 400/413). Any of several keys is accepted, sent as
+    OpenAI's clients do (``Authorization: Bearer <key>``) or as Anthropic's (``x-api-key: <key>``)."""
 
     def __init__(self, app: Any, api_keys: list[str], metrics_require_key: bool = False) -> None:
         self.app = app
         self.expected = [f"Bearer {k}".encode() for k in api_keys]
+        self.expected_x_api_key = [k.encode() for k in api_keys]
         self.public = PUBLIC_PATHS if metrics_require_key else PUBLIC_PATHS | {"/metrics"}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public:
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            bearer, x_api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
             # Every key is compared (no early exit): the time taken says nothing about which matched.
-            ok = [secrets.compare_digest(got, e) for e in self.expected]
+            ok = [secrets.compare_digest(bearer, e) for e in self.expected]
+            ok += [secrets.compare_digest(x_api_key, e) for e in self.expected_x_api_key]
             if not any(ok):
                 err = APIError(
-                    "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                    "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                     401,
                     code="invalid_api_key",
                 )
-                await _send_json(send, 401, err.to_dict())
+                await _send_error(send, scope, err)
                 return
         await self.app(scope, receive, send)
 
@@ -81,7 +93,7 @@ class AllowedHostsMiddleware:
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             if self._hostname(host).lower() not in self.allowed:
                 err = APIError("Invalid Host header.", 400, code="invalid_host")
-                await _send_json(send, 400, err.to_dict())
+                await _send_error(send, scope, err)
                 return
         await self.app(scope, receive, send)
 
@@ -108,13 +120,13 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
         self.drain_cap = 8 * max_bytes
 
-    def _error(self, size: int | None) -> dict:
+    def _error(self, size: int | None) -> APIError:
         got = f"{size} bytes" if size is not None else f"more than {self.max_bytes} bytes"
         return APIError(
             f"Request body too large: {got}; the limit is {self.max_bytes} bytes.",
             413,
             code="request_too_large",
-        ).to_dict()
+        )
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
@@ -126,10 +138,10 @@ class BodyLimitMiddleware:
             try:
                 size = int(declared)
             except ValueError:
-                await _send_json(send, 400, APIError("Invalid Content-Length header.").to_dict())
+                await _send_error(send, scope, APIError("Invalid Content-Length header."))
                 return
             if size > self.drain_cap:
-                await _send_json(send, 413, self._error(size))
+                await _send_error(send, scope, self._error(size))
                 return
         chunks: list[bytes] = []
         total = 0
@@ -146,7 +158,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         if total > self.max_bytes:
-            await _send_json(send, 413, self._error(size if size is not None else total))
+            await _send_error(send, scope, self._error(size if size is not None else total))
             return
         replayed = False
 

@@ -31,10 +31,15 @@ class ErrorBody(BaseModel):
 # What a client generator or a fuzzer checks a response against (tests/test_openapi_fuzz.py runs
 # Schemathesis' response_schema_conformance on them). Logprobs stay free-form objects: their shape
 # follows OpenAI's and vLLM's, which differ by endpoint.
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionChoice(BaseModel):

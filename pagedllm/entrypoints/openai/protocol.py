@@ -116,11 +116,10 @@ class _IgnoredOpenAIFields(_Request):
         return self
 
 
-class _SamplingRequest(_IgnoredOpenAIFields):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class SamplingFields(BaseModel):
+    """The sampling fields every generation endpoint takes (/v1/responses too). No config of its
+    own: a request class's (strict, extra="forbid") applies, whatever the order of its bases."""
 
-    model: str | None = None  # optional as in vLLM: defaults to the (first) served model
-    n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -130,6 +129,13 @@ class _SamplingRequest(_IgnoredOpenAIFields):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+
+
+class _SamplingRequest(_IgnoredOpenAIFields, SamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None  # optional as in vLLM: defaults to the (first) served model
+    n: int | None = 1
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = 0

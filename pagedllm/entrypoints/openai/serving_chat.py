@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import jinja2
 from fastapi import Request
@@ -31,6 +32,7 @@ from pagedllm.entrypoints.openai.structured import check_constraint_size, struct
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.logprobs import Logprob
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
@@ -79,6 +81,17 @@ def _message_dict(m: ChatMessage) -> dict:
     return d
 
 
+@dataclass
+class PreparedChat:
+    """A checked chat request ready for the engine (OpenAIServingChat.prepare)."""
+
+    model: str
+    plan: ToolPlan | None
+    params: SamplingParams
+    prompt: dict  # {"prompt": text, "prompt_token_ids": ids}
+    constraint_field: str | None  # the request field the output constraint came from
+
+
 class OpenAIServingChat(OpenAIServing):
     # Set by build_app: how tool_choice "auto" finds the calls in the model's text.
     tool_parser: ToolParser | None = None
@@ -103,13 +116,17 @@ class OpenAIServingChat(OpenAIServing):
             check_constraint_size(constraint, field, self.limits)
         return plan, constraint, field
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        arrival = time.monotonic()
+    async def prepare(self, req: ChatCompletionRequest, continue_final_message: bool = False) -> PreparedChat:
+        """Everything before the engine: the checks and caps, the tool plan and output constraint,
+        the sampling parameters and the rendered, truncated prompt. The one preparation of the
+        chat path, shared with the endpoints whose requests become chat requests (/v1/responses:
+        serving_responses.py, /v1/messages: serving_messages.py); the caller adds the prompt to
+        the engine (add_requests) under its own request id, or only counts it (count_tokens).
+        ``continue_final_message``: the answer continues the last (assistant) message."""
         model = self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError("When using top_logprobs, logprobs must be set to true.", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        top = self.num_top(logprobs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if len(req.messages) > self.limits.max_messages:
             raise APIError(
@@ -131,11 +148,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.in_tokenizer_thread(
             self.render,
             req.messages,
-            req.add_generation_prompt is not False,
+            req.add_generation_prompt is not False and not continue_final_message,
             req.chat_template_kwargs,
             tools=plan.tools if plan is not None else None,
+            continue_final_message=continue_final_message,
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The engine would slice the same; here too, so the streamed usage counts what runs.
         prompt["prompt_token_ids"] = truncate_prompt(prompt["prompt_token_ids"], params, self.max_model_len)
         self.check_request_tokens([prompt], params)
@@ -143,7 +160,16 @@ class OpenAIServingChat(OpenAIServing):
             n_prompt = len(prompt["prompt_token_ids"])
             shape = PromptResponse([n_prompt], [0], params.n, prompt_top=self.num_top(req.prompt_logprobs))
             check_prompt_response(shape, self.limits.max_prompt_response_bytes)
-        streams = await self.add_requests(request_id, [prompt], params, arrival, constraint_field)
+        return PreparedChat(model, plan, params, prompt, constraint_field)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        prep = await self.prepare(req)
+        model, plan, params, prompt = prep.model, prep.plan, prep.params, prep.prompt
+        logprobs = params.logprobs
+        top = self.num_top(logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.add_requests(request_id, [prompt], params, arrival, prep.constraint_field)
         if req.stream:
             return AbortOnCloseStreamingResponse(
                 self._stream(req, request_id, model, streams, prompt, params.n, plan), streams
@@ -174,7 +200,7 @@ class OpenAIServingChat(OpenAIServing):
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": self.usage(len(out.prompt_token_ids), completion_tokens),
+            "usage": self.usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens),
         }
         if req.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
@@ -187,10 +213,11 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs: dict | None,
         add_special_tokens: bool = False,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> dict:
         """Chat template -> text -> ids (in the tokenizer thread). No special tokens are added by
         default: the template has them (BOS...)."""
-        text = self.render_text(messages, add_generation_prompt, template_kwargs, tools)
+        text = self.render_text(messages, add_generation_prompt, template_kwargs, tools, continue_final_message)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
     def render_text(
@@ -199,8 +226,10 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool,
         template_kwargs: dict | None,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """The chat template applied to ``messages`` (and ``tools``); the input's faults are 400s."""
+        """The chat template applied to ``messages`` (and ``tools``); the input's faults are 400s.
+        ``continue_final_message``: the text ends inside the last message, which the answer continues."""
         dicts = template_messages([_message_dict(m) for m in messages])
         kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
         if tools:
@@ -209,6 +238,8 @@ class OpenAIServingChat(OpenAIServing):
         if not getattr(tok, "chat_template", None):
             raise APIError("This model's tokenizer has no chat template; use /v1/completions.")
         try:
+            if continue_final_message:  # passed only when set: not every tokenizer takes the argument
+                kwargs["continue_final_message"] = True
             text = tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as e:  # "roles must alternate", raise_exception(...): the input's fault
             raise APIError(f"Could not apply the chat template: {e}", param="messages") from e
@@ -259,8 +290,10 @@ class OpenAIServingChat(OpenAIServing):
 
         chunk = chunk_writer(request_id, "chat.completion.chunk", created, model)
 
+        cached_tokens = 0  # set at admission, so by the first output
         try:
             async for _, out in merge_streams(streams):
+                cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     st = states.setdefault(c.index, _ChoiceState())
                     if st.finished:
@@ -316,7 +349,7 @@ class OpenAIServingChat(OpenAIServing):
                         completion_tokens[c.index] = len(c.token_ids)
                     yield chunk([choice], **usage_null)
             if req.include_usage:
-                usage = self.usage(len(prompt["prompt_token_ids"]), sum(completion_tokens.values()))
+                usage = self.usage(len(prompt["prompt_token_ids"]), sum(completion_tokens.values()), cached_tokens)
                 yield chunk([], usage=usage)
             yield sse("[DONE]")
         except Exception as e:  # after the 200: an error event and [DONE], never a cut stream

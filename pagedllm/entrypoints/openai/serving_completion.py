@@ -134,7 +134,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": self.usage(prompt_tokens, completion_tokens),
+            "usage": self.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals)),
         }
 
     @staticmethod
@@ -198,6 +198,7 @@ class OpenAIServingCompletion(OpenAIServing):
         states: dict[int, _ChoiceState] = {}
         prompt_tokens = [len(p["prompt_token_ids"]) for p in prompts]
         completion_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}  # per prompt: set at admission, so by its first output
         usage_null = {"usage": None} if req.include_usage else {}
         echo_only = self._echo_only(req)
         heads: dict[int, dict] = {}  # prompt -> its echoed logprobs
@@ -206,6 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for i, out in merge_streams(streams):
+                cached_tokens[i] = out.num_cached_tokens
                 for c in out.outputs:
                     idx = i * n + c.index
                     st = states.setdefault(idx, _ChoiceState())
@@ -251,7 +253,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         completion_tokens[idx] = 0 if echo_only else len(c.token_ids)
                     yield chunk([choice], **usage_null)
             if req.include_usage:
-                yield chunk([], usage=self.usage(sum(prompt_tokens), sum(completion_tokens.values())))
+                usage = self.usage(sum(prompt_tokens), sum(completion_tokens.values()), sum(cached_tokens.values()))
+                yield chunk([], usage=usage)
             yield sse("[DONE]")
         except Exception as e:  # after the 200: an error event and [DONE], never a cut stream
             yield self.stream_error(e)

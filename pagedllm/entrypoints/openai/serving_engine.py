@@ -318,11 +318,16 @@ class OpenAIServing:
         return result
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """OpenAI's usage. ``cached_tokens``: the prompt tokens the engine took from its prefix
+        cache (RequestOutput.num_cached_tokens), always given, 0 on a miss or without prefix
+        caching, as OpenAI's API does (vLLM only with --enable-prompt-tokens-details, and only
+        when not 0)."""
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
     @staticmethod
@@ -330,9 +335,16 @@ class OpenAIServing:
         """The SSE error event that ends a stream which failed after its 200 went out (the caller
         sends ``[DONE]`` after it, as OpenAI's and vLLM's servers do, so clients see an error,
         not a cut connection)."""
+        return sse(OpenAIServing.stream_failure(e).to_dict())
+
+    @staticmethod
+    def stream_failure(e: Exception) -> APIError:
+        """What a client is told of a stream that failed after its 200 went out: the one choice of
+        status and words, which each endpoint sends in its own event shape (stream_error here;
+        Responses' and Messages' error events)."""
         if isinstance(e, RequestFailedError):  # its message is generic: the details are only logged
-            return sse(APIError(str(e), 500).to_dict())
+            return APIError(str(e), 500)
         if isinstance(e, EngineDeadError):
-            return sse(APIError("The engine is not running.", 503).to_dict())
+            return APIError("The engine is not running.", 503)
         logger.error("streamed response failed", exc_info=e)  # a bug of ours: its text stays in the log
-        return sse(APIError("Internal server error.", 500).to_dict())
+        return APIError("Internal server error.", 500)

@@ -1,0 +1,156 @@
+"""A streamed /v1/messages answer: Anthropic's server-sent events, in its order.
+
+message_start (the message without content, usage with the prompt's counts), ping, then per
+content block content_block_start, its deltas (text_delta, or input_json_delta for a tool_use) and
+content_block_stop, then message_delta (stop_reason, stop_sequence, usage) and message_stop. A
+failure after the 200 is an ``error`` event in Anthropic's error shape.
+
+message_start waits for the engine's first output: only then is it known how much of the prompt
+came from the prefix cache. Text is streamed as it is generated, except what the tool-call parser
+holds back (it may still become a call); a forced tool's arguments (tool_choice "tool") stream as
+input_json_delta as they are generated; other tool calls are known when the output ends, and
+each is sent whole, in one delta.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.engine.client import OutputStream
+from pagedllm.entrypoints.openai.anthropic_convert import (
+    AssistantTurn,
+    ChatTranslation,
+    finished_turn,
+    messages_usage,
+    tool_use_id,
+)
+from pagedllm.entrypoints.openai.anthropic_errors import anthropic_error_body
+from pagedllm.entrypoints.openai.serving_chat import PreparedChat
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+from pagedllm.entrypoints.openai.streaming import abort_all, merge_streams, sse
+
+
+def event(kind: str, data: dict[str, Any] | None = None) -> str:
+    """One Anthropic event: its type as the SSE event name and as the data's ``type``."""
+    return f"event: {kind}\n" + sse({"type": kind, **(data or {})})
+
+
+class _Blocks:
+    """The content blocks of a streamed message: numbered in order, one open at a time."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None  # the open block's type
+
+    def start(self, block: dict[str, Any]) -> list[str]:
+        events = self.stop()
+        self.index += 1
+        self.kind = block["type"]
+        return [*events, event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def delta(self, delta: dict[str, Any]) -> str:
+        return event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def stop(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def tool_use(self, use: dict[str, Any]) -> list[str]:
+        """A whole tool_use block: Anthropic's start (empty input), the input as one JSON delta, stop."""
+        start = self.start({**use, "input": {}})
+        json_delta = self.delta({"type": "input_json_delta", "partial_json": _json(use["input"])})
+        return [*start, json_delta, *self.stop()]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _content_end(text: str, content: str | None, sent: int) -> int:
+    """Where the content of a text that held tool calls ends (the parser strips it), at least ``sent``."""
+    if not content:
+        return sent
+    start = text.find(content)
+    return max(sent, start + len(content)) if start >= 0 else sent
+
+
+async def message_events(
+    serving: OpenAIServing,
+    message_id: str,
+    streams: list[OutputStream],
+    prep: PreparedChat,
+    translation: ChatTranslation,
+) -> AsyncIterator[str]:
+    plan = prep.plan
+    prompt_tokens = len(prep.prompt["prompt_token_ids"])
+    forced_tool = plan is not None and plan.mode == "named"
+    blocks = _Blocks()
+    sent = 0  # characters of the output already sent (as text, or as a forced tool's JSON)
+    cached = 0
+    started = False
+    try:
+        async for _, out in merge_streams(streams):
+            c = out.outputs[0]
+            if not started:
+                started, cached = True, out.num_cached_tokens
+                message = {
+                    "id": message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [],
+                    "model": prep.model,
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": messages_usage(prompt_tokens, cached, 0),
+                }
+                yield event("message_start", {"message": message})
+                yield event("ping")
+            finish = c.finish_reason
+            turn: AssistantTurn | None = None
+            if finish is not None:
+                turn = finished_turn(plan, c.text, finish, c.stop_reason, translation.parallel_tool_calls)
+            if forced_tool:
+                assert plan is not None
+                if blocks.kind is None and sent == 0:
+                    for e in blocks.start({"type": "tool_use", "id": tool_use_id(), "name": plan.named, "input": {}}):
+                        yield e
+                if len(c.text) > sent:
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": c.text[sent:]})
+                    sent = len(c.text)
+            else:
+                if turn is None:
+                    shown = len(c.text) if plan is None else plan.streamable_len(c.text)
+                elif turn.tool_uses:
+                    shown = _content_end(c.text, turn.text, sent)
+                else:
+                    shown = len(c.text)
+                if shown > sent:
+                    if blocks.kind != "text":
+                        for e in blocks.start({"type": "text", "text": ""}):
+                            yield e
+                    yield blocks.delta({"type": "text_delta", "text": c.text[sent:shown]})
+                    sent = shown
+            if turn is None:
+                continue
+            for e in blocks.stop():
+                yield e
+            for use in [] if forced_tool else turn.tool_uses:
+                for e in blocks.tool_use(use):
+                    yield e
+            yield event(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": turn.stop_reason, "stop_sequence": turn.stop_sequence},
+                    "usage": messages_usage(prompt_tokens, cached, len(c.token_ids)),
+                },
+            )
+            yield event("message_stop")
+            return
+    except Exception as e:  # after the 200: an error event, never a cut stream
+        yield event("error", {"error": anthropic_error_body(serving.stream_failure(e))["error"]})
+    finally:
+        abort_all(streams)

@@ -1,0 +1,142 @@
+"""A streamed /v1/responses answer: OpenAI's typed events, numbered in order.
+
+response.created, response.in_progress, then per output item: response.output_item.added, for a
+message response.content_part.added, response.output_text.delta..., response.output_text.done,
+response.content_part.done; for a function call response.function_call_arguments.delta...,
+response.function_call_arguments.done; then response.output_item.done; at the end
+response.completed (response.incomplete when cut by max_output_tokens) with the whole response.
+
+How much of the text is sent as it grows follows the chat path's tool plan: all of it without
+tools; under tool_choice "auto" what cannot still become a call; under a named tool_choice the
+text is that call's arguments, sent as argument deltas as they are generated; under "required"
+the calls are sent when the output is finished (the text is a JSON list of them until then).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.entrypoints.openai.responses_output import function_call_item, message_item, text_part
+from pagedllm.entrypoints.openai.streaming import sse
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan
+from pagedllm.entrypoints.openai.tool_parsers import ToolCall
+
+
+class ResponseEvents:
+    """Writes one stream's server-sent events, each with its event name and sequence_number."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, type: str, **fields: Any) -> str:
+        event = {"type": type, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {type}\n{sse(event)}"
+
+
+class StreamedOutput:
+    """The output items of one streamed response, built as their events are written."""
+
+    def __init__(self, events: ResponseEvents, plan: ToolPlan | None) -> None:
+        self.events = events
+        self.plan = plan
+        self.items: list[dict[str, Any]] = []  # the finished items, in output order
+        self.consumed = 0  # characters of the output's text already sent (or held as a call's)
+        self._message: dict[str, Any] | None = None  # the open message item
+        self._text = ""
+        self._call: dict[str, Any] | None = None  # the open function call item (named tool_choice)
+        self._args = ""  # its arguments so far
+
+    def update(self, text: str, finished: bool) -> list[str]:
+        """The events for the output's text so far (``finished``: its final text)."""
+        plan = self.plan
+        if plan is not None and plan.mode == "named":
+            return self._arguments(text[self.consumed :])
+        if finished or plan is None:
+            shown = len(text)
+        else:
+            shown = plan.streamable_len(text)
+        if finished and plan is not None and plan.calls_of(text)[1]:
+            shown = self.consumed  # the rest is the calls (what precedes them was sent)
+        delta = text[self.consumed : max(shown, self.consumed)]
+        self.consumed = max(shown, self.consumed)
+        return self._text_delta(delta) if delta else []
+
+    def finish(self, text: str, status: str) -> list[str]:
+        """The closing events of every open item and the tool calls of the final ``text``."""
+        out = self._close_message(status)
+        if self._call is not None:
+            call = self._call
+            self._call = None
+            call["status"] = status
+            out.append(self.events("response.function_call_arguments.done", **self._at(call), arguments=self._args))
+            out.append(self._item_done(call))
+            return out
+        calls = self.plan.calls_of(text)[1] if self.plan is not None else []
+        for call in calls:
+            out.extend(self._whole_call(call, status))
+        if not self.items:  # an empty answer is still one (empty) message, as without streaming
+            out.extend(self._text_delta(""))
+            out.extend(self._close_message(status))
+        return out
+
+    def _at(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": len(self.items)}
+
+    def _item_done(self, item: dict[str, Any]) -> str:
+        event = self.events("response.output_item.done", output_index=len(self.items), item=item)
+        self.items.append(item)
+        return event
+
+    def _text_delta(self, delta: str) -> list[str]:
+        out = []
+        if self._message is None:
+            self._message = message_item(None, "in_progress")
+            self._text = ""
+            out.append(self.events("response.output_item.added", output_index=len(self.items), item=self._message))
+            at = self._at(self._message)
+            out.append(self.events("response.content_part.added", **at, content_index=0, part=text_part("")))
+        if delta:
+            self._text += delta
+            at = self._at(self._message)
+            out.append(self.events("response.output_text.delta", **at, content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def _close_message(self, status: str) -> list[str]:
+        if self._message is None:
+            return []
+        message, text = self._message, self._text
+        self._message = None
+        at = self._at(message)
+        part = text_part(text)
+        done = message_item(text, status, id=message["id"])
+        return [
+            self.events("response.output_text.done", **at, content_index=0, text=text, logprobs=[]),
+            self.events("response.content_part.done", **at, content_index=0, part=part),
+            self._item_done(done),
+        ]
+
+    def _arguments(self, delta: str) -> list[str]:
+        """A named tool_choice's call: its arguments as the model writes them."""
+        out = []
+        if self._call is None:
+            self._call = function_call_item(ToolCall(self.plan.named, ""), "in_progress")  # type: ignore[union-attr, arg-type]
+            out.append(self.events("response.output_item.added", output_index=len(self.items), item=dict(self._call)))
+        if delta:
+            self.consumed += len(delta)
+            self._args += delta
+            self._call["arguments"] = self._args
+            out.append(self.events("response.function_call_arguments.delta", **self._at(self._call), delta=delta))
+        return out
+
+    def _whole_call(self, call: ToolCall, status: str) -> list[str]:
+        """A call known only once the output is finished: its events at once."""
+        item = function_call_item(call, status)
+        opened = {**item, "status": "in_progress", "arguments": ""}
+        at = self._at(item)
+        return [
+            self.events("response.output_item.added", output_index=len(self.items), item=opened),
+            self.events("response.function_call_arguments.delta", **at, delta=call.arguments),
+            self.events("response.function_call_arguments.done", **at, arguments=call.arguments),
+            self._item_done(item),
+        ]
