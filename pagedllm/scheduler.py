@@ -41,7 +41,9 @@ from pagedllm.logprobs import Logprob
 from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.scheduler_sync import RunnerSync
 from pagedllm.sequence import Sequence, SequenceStatus
+from pagedllm.spec_decode.planner import SpecDecodePlanner
 from pagedllm.stop import check_stop
+from pagedllm.utils import cdiv
 
 
 @dataclass
@@ -54,6 +56,13 @@ class SampledToken:
     top_logprobs: dict[int, Logprob] | None
     appended: bool  # False for a sequence whose owner appends (it is idle now)
     finished: SequenceStatus | None  # set when the token ended the sequence
+    # Its index in the sequence's output (appended tokens only): a stop string found at an
+    # earlier token of the same speculated run cuts the output, and discards this sample.
+    output_index: int | None = None
+
+    @property
+    def discarded(self) -> bool:
+        return self.output_index is not None and self.output_index >= self.seq.num_output_tokens
 
 
 class Scheduler:
@@ -69,6 +78,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of num_preemptions, those by swapping
         self.runner_sync = RunnerSync(kv_manager)  # what the runner holds of each sequence
+        spec = config.speculative
+        self.spec = SpecDecodePlanner(spec, max_model_len) if spec is not None else None
 
     # ---- queue management ----------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -164,6 +175,10 @@ class Scheduler:
             if num_new <= 0 or seq.waits_for_mask:
                 i += 1  # idle: its owner has not appended its next token yet; or its mask is not in
                 continue
+            if self.spec is not None and self._schedule_drafts(out, seq, budget, i):
+                budget -= out.num_scheduled_tokens[seq.seq_id]
+                i += 1
+                continue
             passed = None  # running[:i] as it was, once a preemption may change the indices
             preempted_self = False
             while not self.kv.allocate_slots(seq, num_new):
@@ -205,6 +220,24 @@ class Scheduler:
         out.block_ops = self.kv.take_block_ops()
         self.runner_sync.describe(out, self.seqs)
         return out
+
+    def _schedule_drafts(self, out: SchedulerOutput, seq: Sequence, budget: int, index: int) -> bool:
+        """Schedules ``seq`` with n-gram drafts after its last token, if it speculates this step
+        and its lookahead slots fit while leaving a block for each running sequence after it
+        (lookahead never preempts anyone: it is only worth doing with memory to spare)."""
+        assert self.spec is not None
+        drafts = self.spec.drafts(seq, budget, len(self.running))
+        if not drafts:
+            return False
+        n = 1 + len(drafts)
+        spare = len(self.running) - index - 1
+        if self.kv.num_free_blocks() < spare + cdiv(n, self.kv.block_size) + 1:
+            return False
+        if not self.kv.allocate_slots(seq, n):
+            return False
+        out.num_scheduled_tokens[seq.seq_id] = n
+        out.spec_token_ids[seq.seq_id] = drafts
+        return True
 
     def schedule_only(self, only: set[str]) -> SchedulerOutput:
         """schedule() over a subset of the running sequences (to retry a step that raised without
@@ -327,10 +360,12 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: ModelRunnerOutput) -> list[SampledToken]:
         """Advances computed counts, registers written blocks in the prefix cache, collects prompt
         logprobs, appends sampled tokens, checks token stops and frees finished sequences; returns
-        the samples, in order."""
+        the samples, in order. A speculating sequence gets several samples: it appends them in
+        order until one stops it, its computed count advances over the tokens kept, and the
+        slots of the drafts not kept go back."""
         for seq_id, n in out.num_scheduled_tokens.items():
             seq = self.seqs.get(seq_id)
-            if seq is None:
+            if seq is None or seq_id in out.spec_token_ids:
                 continue
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)  # before the release: released full blocks stay cached
@@ -340,23 +375,52 @@ class Scheduler:
             if seq is not None:
                 seq.add_prompt_logprobs(chunk.first, chunk.entries)
         results = []
-        for i, seq_id in enumerate(sampled.seq_ids):
-            seq = self.seqs[seq_id]
-            tok = sampled.token_ids[i]
-            seq.sampled_at_len = seq.num_tokens
-            status = None
-            if seq.auto_append:
-                seq.append_output_token(tok)
-                status = check_stop(seq, self.max_model_len)
-            results.append(
-                SampledToken(seq, tok, sampled.logprobs[i], sampled.top_logprobs[i], seq.auto_append, status)
-            )
+        rows = sampled.seq_ids
+        i = 0
+        while i < len(rows):
+            seq = self.seqs[rows[i]]
+            end = i + 1
+            while end < len(rows) and rows[end] == rows[i]:
+                end += 1
+            drafts = out.spec_token_ids.get(seq.seq_id)
+            kept = 0
+            for row in range(i, end):
+                tok = sampled.token_ids[row]
+                seq.sampled_at_len = seq.num_tokens
+                status = None
+                if seq.auto_append:
+                    seq.append_output_token(tok)
+                    status = check_stop(seq, self.max_model_len)
+                kept += 1
+                index = seq.num_output_tokens - 1 if seq.auto_append else None
+                lp, top = sampled.logprobs[row], sampled.top_logprobs[row]
+                results.append(SampledToken(seq, tok, lp, top, seq.auto_append, status, index))
+                if status is not None:
+                    break  # a stop inside an accepted run: the tokens after it are not kept
+            if drafts is not None:
+                self._verified(seq, drafts, end - i - 1, kept)
+            i = end
         for r in results:
             if r.finished is not None:
                 self.finish_seq(r.seq.seq_id, r.finished)
         return results
 
+    def _verified(self, seq: Sequence, drafts: list[int], num_accepted: int, num_kept: int) -> None:
+        """After a speculating sequence's step: K/V is valid for its last token and the drafts it
+        kept (the first ``num_kept`` positions run); the slots past them go back."""
+        assert self.spec is not None
+        self.spec.record(len(drafts), num_accepted)
+        seq.num_computed_tokens += num_kept
+        self.runner_sync.truncated(seq.seq_id, self.kv.trim_to_computed(seq))
+        self.kv.cache_computed_blocks(seq)
+        self.kv.release_out_of_window(seq)
+
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The runner raised on ``out``: what it holds of the scheduled sequences is unknown, so
-        they are sent whole next time (computed counts did not advance)."""
+        they are sent whole next time (computed counts did not advance), and the lookahead slots of
+        its drafts go back."""
         self.runner_sync.step_failed(out)
+        for seq_id in out.spec_token_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.RUNNING:
+                self.kv.trim_to_computed(seq)

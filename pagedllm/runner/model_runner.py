@@ -18,8 +18,9 @@ from pagedllm.logprobs import Logprob, logprob_dicts
 from pagedllm.runner.block_table import BlockTables
 from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.runner.seq_state import SeqState
-from pagedllm.sampler import AllowedTokens, Sampler
+from pagedllm.sampler import AllowedTokens, Sampler, SamplerOutput
 from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from pagedllm.spec_decode.verify import keep_accepted
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
@@ -111,15 +112,17 @@ class ModelRunner:
         seq_ids = [s.seq_id for s in sampling]
         hidden = hidden[sample_rows]
         allowed = _allowed_tokens(sched, seq_ids)
+        out = None
         if allowed is None and self.sampler.argmax_only(sampling):
             ids = self.model.greedy_tokens(hidden)
             if ids is not None:
-                n = len(seq_ids)
-                return ModelRunnerOutput(seq_ids, ids.tolist(), [None] * n, [None] * n, prompt_lps)
-        logits = self.model.compute_logits(hidden)
-        # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
-        out = self.sampler(logits.cpu(), sampling, allowed)
-        return ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
+                out = SamplerOutput.of_tokens(ids.tolist())
+        if out is None:
+            logits = self.model.compute_logits(hidden)
+            # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
+            out = self.sampler(logits.cpu(), sampling, allowed)
+        result = ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
+        return keep_accepted(result, sched.spec_token_ids) if sched.spec_token_ids else result
 
     def _prompt_logprobs(self, hidden: torch.Tensor, runs: list[_PromptRun]) -> dict[str, PromptLogprobsChunk]:
         """log p(prompt token p + 1 | tokens 0..p) for each run's positions p, from the same hidden
@@ -160,6 +163,8 @@ class ModelRunner:
             state = self.states[c.seq_id]
             state.all_token_ids.extend(c.new_token_ids)
             state.num_computed_tokens = c.num_computed_tokens
+            if c.truncate_to is not None:
+                self.block_tables.truncate(c.seq_id, c.truncate_to)
             self.block_tables.update(c.seq_id, c.new_block_ids, c.replaced_blocks)
 
     @torch.inference_mode()
@@ -219,7 +224,10 @@ class ModelRunner:
             end = start + n
             row = tables.table[tables.row(s.seq_id)]
             q_start = len(tokens)
-            tokens.extend(s.all_token_ids[start:end])
+            drafts = sched.spec_token_ids.get(s.seq_id)
+            # A speculating sequence runs its last token and its drafts, like a prefill chunk.
+            seq_tokens = s.all_token_ids if drafts is None else s.all_token_ids + drafts
+            tokens.extend(seq_tokens[start:end])
             prompt_run(s, q_start, start, n)
             p = torch.arange(start, end, dtype=torch.long)
             pos_parts.append(p)
@@ -241,7 +249,10 @@ class ModelRunner:
                     mask=mask,
                 )
             )
-            if end == s.num_tokens:
+            if drafts is not None:  # every position gives a target token
+                sample_rows.extend(range(q_start, q_start + n))
+                sampling.extend([s] * n)
+            elif end == s.num_tokens:
                 sample_rows.append(q_start + n - 1)
                 sampling.append(s)
 

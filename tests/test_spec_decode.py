@@ -1,0 +1,182 @@
+"""Speculative decoding (n-gram prompt lookup): greedy outputs are token for token those without
+it, across block sizes, attention paths, chunking, preemption, prefix caching, n > 1, stops and
+logprobs; drafts are proposed, some accepted and some rejected; no KV block leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NEW_TOKENS = 40
+# Repetitive prompts: their suffixes recur, so drafts are proposed from the first step on.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12] * 4 + [5, 6, 7],
+    [100, 101, 102] * 6,
+    list(range(20, 60)) + list(range(20, 30)),
+    [300, 301, 302, 303, 304] * 3 + [7],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def make_llm(model: str, **kwargs) -> LLM:
+    args = dict(dtype="float32", num_kv_blocks=256, block_size=16)
+    args.update(kwargs)
+    return LLM(model=model, **args)
+
+
+def generate(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs], outs
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.kv_manager.check_invariants()
+    assert engine.kv_manager.num_free_blocks() == engine.num_kv_blocks
+
+
+def spec_stats(llm: LLM) -> dict:
+    return {k: v for k, v in llm.llm_engine.get_stats().items() if k.startswith("spec_decode")}
+
+
+def assert_drafts_accepted_and_rejected(llm: LLM) -> None:
+    s = spec_stats(llm)
+    assert s["spec_decode_num_drafts"] > 0
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
+    assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama):
+    return generate(make_llm(tiny_llama))[0]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_identity(tiny_llama, baseline, block_size, backend):
+    llm = make_llm(tiny_llama, block_size=block_size, attention_backend=backend, speculative_config=NGRAM)
+    assert generate(llm)[0] == baseline
+    assert_drafts_accepted_and_rejected(llm)
+    assert_all_blocks_free(llm)
+
+
+def test_chunked_prefill_and_small_step_budget(tiny_llama, baseline):
+    # A budget of 6 tokens: prompts run in chunks, and drafts share the budget with them.
+    llm = make_llm(tiny_llama, max_num_batched_tokens=6, speculative_config=NGRAM)
+    assert generate(llm)[0] == baseline
+    assert_drafts_accepted_and_rejected(llm)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(tiny_llama, baseline, mode):
+    llm = make_llm(
+        tiny_llama,
+        num_kv_blocks=14,
+        block_size=8,
+        preemption_mode=mode,
+        num_swap_blocks=64,
+        speculative_config=NGRAM,
+    )
+    assert generate(llm)[0] == baseline
+    sched = llm.llm_engine.scheduler
+    assert sched.num_preemptions > 0
+    if mode == "swap":
+        assert sched.num_swap_preemptions > 0
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_caching(tiny_llama, baseline):
+    llm = make_llm(tiny_llama, block_size=4, speculative_config=NGRAM)
+    assert generate(llm)[0] == baseline
+    # Again: the prompts (and the verified outputs the first run registered) hit the cache.
+    assert generate(llm)[0] == baseline
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_n_greater_than_one(tiny_llama):
+    params = SamplingParams(temperature=0.0, n=3, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = generate(make_llm(tiny_llama), params=params)[0]
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    assert generate(llm, params=params)[0] == plain
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_max_tokens_cuts_inside_runs(tiny_llama):
+    # Every length from 1 to NEW_TOKENS, in one batch: some end inside an accepted run.
+    prompts = [PROMPTS[0]] * NEW_TOKENS
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(1, NEW_TOKENS + 1)]
+    plain = generate(make_llm(tiny_llama), prompts, params)[0]
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    got = generate(llm, prompts, params)[0]
+    assert got == plain
+    assert [len(g[0]) for g in got] == list(range(1, NEW_TOKENS + 1))
+    assert_all_blocks_free(llm)
+
+
+def test_stop_strings_inside_runs(tiny_llama):
+    """Each token's text of the plain output as a stop string: the outputs (tokens, text, finish
+    reason, stop reason) are the same with speculation, where the stop falls inside a run too."""
+    plain_llm = make_llm(tiny_llama)
+    (first,) = plain_llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    tok = plain_llm.get_tokenizer()
+    stops = list(dict.fromkeys(s for t in first.outputs[0].token_ids if (s := tok.decode([t])).strip()))
+    assert len(stops) >= 2
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=[s]) for s in stops]
+    prompts = [PROMPTS[0]] * len(stops)
+
+    def summary(llm: LLM):
+        outs = generate(llm, prompts, params)[1]
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+
+    plain = summary(plain_llm)
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    assert summary(llm) == plain
+    assert any(reason == "stop" for _, _, reason, _ in plain)
+    assert_all_blocks_free(llm)
+
+
+def test_logprobs_come_from_the_target_pass(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    plain = generate(make_llm(tiny_llama), params=params)[1]
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    got = generate(llm, params=params)[1]
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(got, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert list(pa) == list(pb)  # same tokens, in the same order
+            for t in pa:
+                assert math.isclose(pa[t].logprob, pb[t].logprob, abs_tol=1e-4)
+
+
+def test_sampled_and_penalized_requests_do_not_speculate(tiny_llama):
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = make_llm(tiny_llama)
+    for params in (seeded, penalized):
+        assert generate(llm, params=params)[0] == generate(plain, params=params)[0]
+    assert spec_stats(llm)["spec_decode_num_drafts"] == 0
+
+
+def test_disable_by_batch_size(tiny_llama, baseline):
+    # Four prompts run at once: at 2 nobody speculates until only one is left.
+    config = dict(NGRAM, disable_by_batch_size=2)
+    llm = make_llm(tiny_llama, speculative_config=config)
+    assert generate(llm)[0] == baseline
+    off = make_llm(tiny_llama, speculative_config=dict(NGRAM, disable_by_batch_size=1))
+    assert generate(off)[0] == baseline
+    assert spec_stats(off)["spec_decode_num_drafts"] == 0
+    on = make_llm(tiny_llama, speculative_config=NGRAM)
+    generate(on)
+    assert spec_stats(llm)["spec_decode_num_drafts"] < spec_stats(on)["spec_decode_num_drafts"]
