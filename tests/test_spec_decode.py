@@ -21,6 +21,8 @@ PROMPTS = [
     list(range(20, 60)) + list(range(20, 30)),
     [300, 301, 302, 303, 304] * 3 + [7],
 ]
+# The tiny model's greedy output of this one loops on a token: long accepted runs.
+LOOPING = [42] * 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -111,9 +113,9 @@ def test_n_greater_than_one(tiny_llama):
     assert_all_blocks_free(llm)
 
 
-def test_max_tokens_cuts_inside_runs(tiny_llama):
-    # Every length from 1 to NEW_TOKENS, in one batch: some end inside an accepted run.
-    prompts = [PROMPTS[0]] * NEW_TOKENS
+def test_max_tokens(tiny_llama):
+    # Every length from 1 to NEW_TOKENS, in one batch (drafts never run past max_tokens).
+    prompts = [LOOPING] * NEW_TOKENS
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(1, NEW_TOKENS + 1)]
     plain = generate(make_llm(tiny_llama), prompts, params)[0]
     llm = make_llm(tiny_llama, speculative_config=NGRAM)
@@ -123,16 +125,28 @@ def test_max_tokens_cuts_inside_runs(tiny_llama):
     assert_all_blocks_free(llm)
 
 
-def test_stop_strings_inside_runs(tiny_llama):
-    """Each token's text of the plain output as a stop string: the outputs (tokens, text, finish
-    reason, stop reason) are the same with speculation, where the stop falls inside a run too."""
+def test_stop_strings_inside_runs(tiny_llama, monkeypatch):
+    """The texts of the plain output's runs of 1 to 3 tokens as stop strings: the outputs (tokens,
+    text, finish and stop reasons) are the same with speculation, and some stop strings end
+    inside an accepted run, whose later tokens are cut."""
+    from pagedllm.sequence import Sequence
+
+    cuts = []
+    truncate = Sequence.truncate_output
+
+    def counting_truncate(self, n):
+        cuts.append(self.num_output_tokens - n)
+        truncate(self, n)
+
+    monkeypatch.setattr(Sequence, "truncate_output", counting_truncate)
     plain_llm = make_llm(tiny_llama)
-    (first,) = plain_llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    (first,) = plain_llm.generate([{"prompt_token_ids": LOOPING}], GREEDY, use_tqdm=False)
     tok = plain_llm.get_tokenizer()
-    stops = list(dict.fromkeys(s for t in first.outputs[0].token_ids if (s := tok.decode([t])).strip()))
-    assert len(stops) >= 2
+    out = first.outputs[0].token_ids
+    windows = (tok.decode(out[a:b]) for a in range(len(out)) for b in range(a + 1, min(a + 4, len(out) + 1)))
+    stops = list(dict.fromkeys(w for w in windows if w.strip()))
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=[s]) for s in stops]
-    prompts = [PROMPTS[0]] * len(stops)
+    prompts = [LOOPING] * len(stops)
 
     def summary(llm: LLM):
         outs = generate(llm, prompts, params)[1]
@@ -141,7 +155,22 @@ def test_stop_strings_inside_runs(tiny_llama):
     plain = summary(plain_llm)
     llm = make_llm(tiny_llama, speculative_config=NGRAM)
     assert summary(llm) == plain
-    assert any(reason == "stop" for _, _, reason, _ in plain)
+    assert all(reason == "stop" for _, _, reason, _ in plain)
+    assert any(c > 0 for c in cuts), "no stop string fell inside an accepted run"
+    assert_all_blocks_free(llm)
+
+
+def test_stop_tokens_inside_runs(tiny_llama):
+    """Each token of the plain output as a stop token id: the same outputs with speculation."""
+    plain_llm = make_llm(tiny_llama)
+    (first,) = plain_llm.generate([{"prompt_token_ids": LOOPING}], GREEDY, use_tqdm=False)
+    ids = list(dict.fromkeys(first.outputs[0].token_ids))
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[t]) for t in ids]
+    prompts = [LOOPING] * len(ids)
+    plain = generate(plain_llm, prompts, params)[0]
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    assert generate(llm, prompts, params)[0] == plain
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
     assert_all_blocks_free(llm)
 
 
@@ -180,3 +209,69 @@ def test_disable_by_batch_size(tiny_llama, baseline):
     on = make_llm(tiny_llama, speculative_config=NGRAM)
     generate(on)
     assert spec_stats(llm)["spec_decode_num_drafts"] < spec_stats(on)["spec_decode_num_drafts"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_block_leaks_with_rejections_and_aborts(tiny_llama, seed):
+    """Random arrivals (n of 1 or 2), aborts and steps on a small cache with prefix caching and
+    preemption: after every step the manager's refcounts match the tables, no running sequence
+    holds a lookahead block past its next token, and once all is done every block is free."""
+    import random
+
+    from pagedllm.utils import cdiv
+
+    rng = random.Random(seed)
+    mode = ("recompute", "swap")[seed % 2]
+    llm = make_llm(
+        tiny_llama, num_kv_blocks=24, block_size=4, preemption_mode=mode, num_swap_blocks=32, speculative_config=NGRAM
+    )
+    engine = llm.llm_engine
+    kv, sched = engine.kv_manager, engine.scheduler
+    live: list[str] = []
+
+    def check() -> None:
+        kv.check_invariants()
+        for seq in sched.running:
+            assert len(kv.block_table(seq.seq_id)) <= cdiv(seq.num_computed_tokens + 1, kv.block_size), seq
+
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.15 or not engine.has_unfinished_requests():
+            base = rng.choice([*PROMPTS, LOOPING])
+            prompt = base[: rng.randrange(4, len(base) + 1)]
+            params = SamplingParams(temperature=0.0, n=rng.choice([1, 2]), max_tokens=rng.randrange(1, 24))
+            live.append(engine.add_request(None, {"prompt_token_ids": prompt}, params))
+        elif action < 0.22 and live:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        check()
+    while engine.has_unfinished_requests():
+        engine.step()
+        check()
+    assert_all_blocks_free(llm)
+    assert_drafts_accepted_and_rejected(llm)
+    assert sched.num_preemptions > 0
+
+
+def test_default_model_greedy_identity():
+    """The default model on an input-grounded task (repeat code with one change): drafts from the
+    prompt are accepted, and the output is the same without speculation."""
+    from pagedllm.models.resolve import default_model_gguf_path
+
+    if default_model_gguf_path() is None:
+        pytest.skip("default model package not installed")
+    code = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
+    messages = [{"role": "user", "content": f"Repeat this code exactly, renaming add to plus:\n\n{code}"}]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    outs = {}
+    for spec in (None, NGRAM):
+        llm = LLM(kv_cache_memory_gib=0.25, speculative_config=spec)
+        (out,) = llm.chat(messages, params, use_tqdm=False)
+        outs[spec is None] = out.outputs[0].token_ids
+        if spec is not None:
+            assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+            assert_all_blocks_free(llm)
+    assert outs[True] == outs[False]
