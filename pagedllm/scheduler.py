@@ -43,7 +43,6 @@ from pagedllm.scheduler_sync import RunnerSync
 from pagedllm.sequence import Sequence, SequenceStatus
 from pagedllm.spec_decode.planner import SpecDecodePlanner
 from pagedllm.stop import check_stop
-from pagedllm.utils import cdiv
 
 
 @dataclass
@@ -175,7 +174,7 @@ class Scheduler:
             if num_new <= 0 or seq.waits_for_mask:
                 i += 1  # idle: its owner has not appended its next token yet; or its mask is not in
                 continue
-            if self.spec is not None and self._schedule_drafts(out, seq, budget, i):
+            if self.spec is not None and self.spec.schedule(out, seq, self.kv, budget, self.running, i):
                 budget -= out.num_scheduled_tokens[seq.seq_id]
                 i += 1
                 continue
@@ -220,24 +219,6 @@ class Scheduler:
         out.block_ops = self.kv.take_block_ops()
         self.runner_sync.describe(out, self.seqs)
         return out
-
-    def _schedule_drafts(self, out: SchedulerOutput, seq: Sequence, budget: int, index: int) -> bool:
-        """Schedules ``seq`` with n-gram drafts after its last token, if it speculates this step
-        and its lookahead slots fit while leaving a block for each running sequence after it
-        (lookahead never preempts anyone: it is only worth doing with memory to spare)."""
-        assert self.spec is not None
-        drafts = self.spec.drafts(seq, budget, len(self.running))
-        if not drafts:
-            return False
-        n = 1 + len(drafts)
-        spare = len(self.running) - index - 1
-        if self.kv.num_free_blocks() < spare + cdiv(n, self.kv.block_size) + 1:
-            return False
-        if not self.kv.allocate_slots(seq, n):
-            return False
-        out.num_scheduled_tokens[seq.seq_id] = n
-        out.spec_token_ids[seq.seq_id] = drafts
-        return True
 
     def schedule_only(self, only: set[str]) -> SchedulerOutput:
         """schedule() over a subset of the running sequences (to retry a step that raised without
@@ -397,23 +378,13 @@ class Scheduler:
                 results.append(SampledToken(seq, tok, lp, top, seq.auto_append, status, index))
                 if status is not None:
                     break  # a stop inside an accepted run: the tokens after it are not kept
-            if drafts is not None:
-                self._verified(seq, drafts, end - i - 1, kept)
+            if drafts is not None:  # the slots past the tokens kept go back, the runner's too
+                self.runner_sync.truncated(seq.seq_id, self.spec.verified(seq, self.kv, len(drafts), end - i - 1, kept))
             i = end
         for r in results:
             if r.finished is not None:
                 self.finish_seq(r.seq.seq_id, r.finished)
         return results
-
-    def _verified(self, seq: Sequence, drafts: list[int], num_accepted: int, num_kept: int) -> None:
-        """After a speculating sequence's step: K/V is valid for its last token and the drafts it
-        kept (the first ``num_kept`` positions run); the slots past them go back."""
-        assert self.spec is not None
-        self.spec.record(len(drafts), num_accepted)
-        seq.num_computed_tokens += num_kept
-        self.runner_sync.truncated(seq.seq_id, self.kv.trim_to_computed(seq))
-        self.kv.cache_computed_blocks(seq)
-        self.kv.release_out_of_window(seq)
 
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The runner raised on ``out``: what it holds of the scheduled sequences is unknown, so

@@ -198,6 +198,26 @@ def test_sampled_and_penalized_requests_do_not_speculate(tiny_llama):
     assert spec_stats(llm)["spec_decode_num_drafts"] == 0
 
 
+def test_structured_outputs_do_not_speculate(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, structured_outputs={"regex": "[a-f]{3,30}"})
+    llm = make_llm(tiny_llama, speculative_config=NGRAM)
+    assert generate(llm, [LOOPING], params)[0] == generate(make_llm(tiny_llama), [LOOPING], params)[0]
+    assert spec_stats(llm)["spec_decode_num_drafts"] == 0
+    assert_all_blocks_free(llm)
+
+
+def test_sliding_window_model(tiny_mistral_windowed):
+    # Its layers attend through a window narrower than the prompts: blocks out of it are released
+    # after each step, verifying steps included.
+    prompts = [*PROMPTS, LOOPING]
+    plain = generate(make_llm(tiny_mistral_windowed, block_size=4), prompts)[0]
+    llm = make_llm(tiny_mistral_windowed, block_size=4, speculative_config=NGRAM)
+    assert generate(llm, prompts)[0] == plain
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    assert llm.llm_engine.kv_manager.num_released_blocks > 0
+    assert_all_blocks_free(llm)
+
+
 def test_disable_by_batch_size(tiny_llama, baseline):
     # Four prompts run at once: at 2 nobody speculates until only one is left.
     config = dict(NGRAM, disable_by_batch_size=2)

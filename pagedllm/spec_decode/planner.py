@@ -14,9 +14,12 @@ speculates while ``disable_by_batch_size`` or more sequences run.
 
 from __future__ import annotations
 
+from pagedllm.kv.base import KVCacheManager
+from pagedllm.scheduler_output import SchedulerOutput
 from pagedllm.sequence import Sequence
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
+from pagedllm.utils import cdiv
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -62,6 +65,36 @@ class SpecDecodePlanner:
         if k < 1:
             return []
         return propose_ngram(seq.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def schedule(
+        self, out: SchedulerOutput, seq: Sequence, kv: KVCacheManager, budget: int, running: list[Sequence], index: int
+    ) -> bool:
+        """Schedules ``seq`` (``running[index]``) with drafts after its last token, if it speculates
+        this step and its lookahead slots fit while leaving a block for each running sequence
+        after it: lookahead never preempts anyone, it is only worth doing with memory to spare.
+        False: schedule it as usual."""
+        drafts = self.drafts(seq, budget, len(running))
+        num_after = len(running) - index - 1
+        if not drafts:
+            return False
+        n = 1 + len(drafts)
+        if kv.num_free_blocks() < num_after + cdiv(n, kv.block_size) + 1 or not kv.allocate_slots(seq, n):
+            return False
+        out.num_scheduled_tokens[seq.seq_id] = n
+        out.spec_token_ids[seq.seq_id] = drafts
+        return True
+
+    def verified(self, seq: Sequence, kv: KVCacheManager, num_drafts: int, num_accepted: int, num_kept: int) -> int:
+        """After ``seq``'s verifying pass: K/V is valid for its last token and the accepted drafts it
+        kept (the first ``num_kept`` positions run; fewer than 1 + ``num_accepted`` when a stop cut
+        the run). Advances its computed count over them, gives back the slots past them, registers
+        its verified full blocks; returns the length of its block table after."""
+        self.record(num_drafts, num_accepted)
+        seq.num_computed_tokens += num_kept
+        num_blocks = kv.trim_to_computed(seq)
+        kv.cache_computed_blocks(seq)
+        kv.release_out_of_window(seq)
+        return num_blocks
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verified run: ``num_drafts`` proposed, its first ``num_accepted`` accepted."""
