@@ -108,3 +108,10 @@ class ModelRunnerOutput:
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
         return cls([], [], [], [])
+
+    def extend(self, other: ModelRunnerOutput) -> None:
+        """Appends ``other``'s rows (sequences this output has none of)."""
+        self.seq_ids.extend(other.seq_ids)
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.top_logprobs.extend(other.top_logprobs)

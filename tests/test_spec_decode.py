@@ -188,14 +188,64 @@ def test_logprobs_come_from_the_target_pass(tiny_llama):
                 assert math.isclose(pa[t].logprob, pb[t].logprob, abs_tol=1e-4)
 
 
-def test_sampled_and_penalized_requests_do_not_speculate(tiny_llama):
+def test_penalized_requests_do_not_speculate(tiny_llama):
     llm = make_llm(tiny_llama, speculative_config=NGRAM)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
     penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=NEW_TOKENS, ignore_eos=True)
-    plain = make_llm(tiny_llama)
-    for params in (seeded, penalized):
-        assert generate(llm, params=params)[0] == generate(plain, params=params)[0]
+    assert generate(llm, params=penalized)[0] == generate(make_llm(tiny_llama), params=penalized)[0]
     assert spec_stats(llm)["spec_decode_num_drafts"] == 0
+
+
+# Sampling: the prompt ends in the token the tiny model loops on, so drafts come at once.
+SAMPLED_PROMPT = [42] * 10 + [200] * 5
+NUM_SAMPLES = 3000
+
+
+def sample_counts(llm: LLM, params_of, first_seed: int) -> dict[tuple[int, ...], int]:
+    params = [params_of(seed) for seed in range(first_seed, first_seed + NUM_SAMPLES)]
+    outs = generate(llm, [SAMPLED_PROMPT] * NUM_SAMPLES, params)[0]
+    counts: dict[tuple[int, ...], int] = {}
+    for (ids,) in outs:
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+    return counts
+
+
+def test_sampled_distribution_matches_without_speculation(tiny_llama):
+    """Rejection sampling keeps the target's distribution: the joint distribution of three sampled
+    tokens (top_k=3: at most 27 outcomes) from 3000 seeded requests with speculation against 3000
+    without (other seeds), by a chi-square test of homogeneity. Outcomes seen fewer than 10 times in both runs
+    together are pooled (the test's approximation wants expected counts >= 5). The seeds are
+    fixed, so the test is deterministic; a correct sampler passes it unless the draws happen to
+    land in the 0.1% tail, a wrong one (drafts accepted whenever they are in the top 3, say)
+    moves mass by far more than that."""
+    from scipy.stats import chi2_contingency
+
+    def params_of(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=seed)
+
+    kwargs = dict(num_kv_blocks=1024)
+    plain = sample_counts(make_llm(tiny_llama, **kwargs), params_of, 0)
+    llm = make_llm(tiny_llama, speculative_config=NGRAM, **kwargs)
+    spec = sample_counts(llm, params_of, NUM_SAMPLES)  # other seeds: independent samples
+    outcomes = sorted(set(plain) | set(spec))
+    big = [o for o in outcomes if plain.get(o, 0) + spec.get(o, 0) >= 10]
+    table = [[c.get(o, 0) for o in big] + [sum(c.get(o, 0) for o in outcomes if o not in big)] for c in (plain, spec)]
+    table = [row for row in zip(*table, strict=True) if sum(row) > 0]
+    assert len(table) >= 4  # enough outcomes for the test to mean something
+    p_value = chi2_contingency(list(zip(*table, strict=True)))[1]
+    assert p_value > 0.001, (p_value, table)
+    assert_drafts_accepted_and_rejected(llm)
+    assert_all_blocks_free(llm)
+
+
+def test_sampled_speculation_is_reproducible_per_seed(tiny_llama):
+    params = [
+        SamplingParams(temperature=0.8, top_k=3, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in range(4)
+    ]
+    prompts = [SAMPLED_PROMPT] * 4
+    first = generate(make_llm(tiny_llama, speculative_config=NGRAM), prompts, params)[0]
+    llm = make_llm(tiny_llama, speculative_config=NGRAM, max_num_seqs=1)  # alone: other batches
+    assert generate(llm, prompts, params)[0] == first
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_structured_outputs_do_not_speculate(tiny_llama):

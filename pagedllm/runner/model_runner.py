@@ -20,6 +20,7 @@ from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.runner.seq_state import SeqState
 from pagedllm.sampler import AllowedTokens, Sampler, SamplerOutput
 from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.verify import keep_accepted
 from pagedllm.utils import cdiv
 
@@ -109,8 +110,18 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, prompt_runs) if prompt_runs else {}
         if not sampling:
             return ModelRunnerOutput([], [], [], [], prompt_lps)
-        seq_ids = [s.seq_id for s in sampling]
         hidden = hidden[sample_rows]
+        spec = sched.spec_token_ids
+        drawn_rows = [i for i, s in enumerate(sampling) if s.seq_id in spec and not s.sampling_params.greedy]
+        drawn = None
+        if drawn_rows:  # speculating sequences that sample: rejection sampling, apart
+            drawn = self._rejection_sample(hidden[drawn_rows], [sampling[i] for i in drawn_rows], spec)
+            rest = sorted(set(range(len(sampling))) - set(drawn_rows))
+            hidden, sampling = hidden[rest], [sampling[i] for i in rest]
+            if not sampling:
+                drawn.prompt_logprobs = prompt_lps
+                return drawn
+        seq_ids = [s.seq_id for s in sampling]
         allowed = _allowed_tokens(sched, seq_ids)
         out = None
         if allowed is None and self.sampler.argmax_only(sampling):
@@ -122,7 +133,32 @@ class ModelRunner:
             # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
             out = self.sampler(logits.cpu(), sampling, allowed)
         result = ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
-        return keep_accepted(result, sched.spec_token_ids) if sched.spec_token_ids else result
+        if spec:
+            result = keep_accepted(result, spec)
+        if drawn is not None:
+            result.extend(drawn)
+        return result
+
+    def _rejection_sample(
+        self, hidden: torch.Tensor, rows: list[SeqState], spec: dict[str, list[int]]
+    ) -> ModelRunnerOutput:
+        """The kept tokens of speculating sequences that sample (``rows``: each one's positions,
+        consecutive), drawn from their own generators (spec_decode/rejection.py)."""
+        seq_ids: list[str] = []
+        tokens: list[int] = []
+        i = 0
+        while i < len(rows):
+            state = rows[i]
+            drafts = spec[state.seq_id]
+            n = len(drafts) + 1
+            logits = self.model.compute_logits(hidden[i : i + n]).cpu()
+            probs = self.sampler.target_probs(logits, [state] * n)
+            kept = rejection_sample(probs, drafts, state.generator or self.sampler.generator)
+            seq_ids.extend([state.seq_id] * len(kept))
+            tokens.extend(kept)
+            i += n
+        none = [None] * len(tokens)
+        return ModelRunnerOutput(seq_ids, tokens, list(none), list(none))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, runs: list[_PromptRun]) -> dict[str, PromptLogprobsChunk]:
         """log p(prompt token p + 1 | tokens 0..p) for each run's positions p, from the same hidden

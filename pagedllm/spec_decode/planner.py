@@ -4,7 +4,8 @@ A sequence speculates only where the target's token at each drafted position is 
 position's logits alone, the same as without speculation:
 - it is decoding (one known token left to run: chunked prefill finishes first);
 - its tokens are appended as sampled (not beam search, whose owner picks them);
-- it is greedy: sampled sequences (temperature > 0) run without speculation for now;
+- it is greedy, or it samples without asking for logprobs (rejection sampling: the runner
+  returns no logprobs for its drafted positions);
 - it has no structured-output grammar, no bad_words, no repetition / frequency / presence
   penalty, and min_tokens is reached: each of those depends on the tokens before the position,
   and the runner's verifying pass sees only the sequence's tokens before the drafts.
@@ -27,7 +28,7 @@ def can_speculate(seq: Sequence) -> bool:
     return (
         seq.auto_append
         and seq.grammar is None
-        and sp.greedy
+        and (sp.greedy or not sp.needs_logprobs)
         and not sp.bad_words_token_ids
         and sp.repetition_penalty == 1.0
         and not sp.frequency_penalty
