@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, fields
 
 from pagedllm.kv.contiguous import RESERVE_POLICIES
+from pagedllm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pagedllm.vllm_args import translate_engine_kwargs
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -100,6 +102,9 @@ class EngineConfig:
     # unauthenticated (docs/scaling.md). None: ranks must all run on the driver's node, and
     # everything they listen on is bound to loopback.
     distributed_interface: str | None = None
+    # Speculative decoding (vLLM's dict, or its JSON text): n-gram prompt lookup, see
+    # spec_decode/config.py for the keys; None: off.
+    speculative_config: dict | None = None
     # Accepted, no effect: vLLM's switch to skip CUDA graph capture; pagedllm runs eagerly always.
     enforce_eager: bool = False
     # Accepted, no effect: the engine logs no periodic stats (they are on /metrics and /stats).
@@ -161,6 +166,23 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (no cap), got {self.max_logprobs!r}.")
         if self.num_swap_blocks is not None and (not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
             raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}.")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is None:
+            return
+        if isinstance(self.speculative_config, str):  # the command line's JSON text
+            self.speculative_config = json.loads(self.speculative_config)
+        if self.kv_layout != "paged":
+            raise ValueError(
+                "speculative_config needs kv_layout='paged': rejected drafts give their slots back block by block."
+            )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config, or None when speculation is off."""
+        return parse_speculative_config(self.speculative_config)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size

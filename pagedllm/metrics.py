@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pagedllm.outputs import RequestOutput
+from pagedllm.spec_decode.metrics import spec_decode_metrics
 
 PREFIXES = ("pagedllm", "vllm")
 # vLLM's, for a histogram of tokens per engine step
@@ -183,6 +184,7 @@ class _EngineStatsCollector(Collector):
             for values, stats in series:
                 c.add_metric(values, float(stats.get(key, 0) or 0))
             yield c
+        yield from spec_decode_metrics(owner.prefix, labels, series)
         h = HistogramMetricFamily(
             owner.prefix + "iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=labels
         )

@@ -115,6 +115,18 @@ class Sampler:
         return SamplerOutput(ids, chosen_l, top)
 
     @staticmethod
+    def target_probs(logits: torch.Tensor, requests: list[SeqState]) -> torch.Tensor:
+        """The distribution each row's token is drawn from, as ``__call__`` draws a random row:
+        token controls, temperature, top-k, top-p, min-p (speculative rejection sampling; no
+        penalties: sequences with them do not speculate)."""
+        logits = logits.float().clone()
+        if needs_token_controls(requests):
+            apply_token_controls(logits, requests)
+        params = [r.sampling_params for r in requests]
+        logits /= torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        return torch.softmax(_filter(logits, params), dim=-1)
+
+    @staticmethod
     def argmax_only(requests: list[SeqState]) -> bool:
         """Whether this step's samples are the argmax of the logits and nothing else: every sequence
         greedy, no logprobs, no penalties, no token controls. Then the model may hand over token ids

@@ -41,6 +41,7 @@ from pagedllm.logprobs import Logprob
 from pagedllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.scheduler_sync import RunnerSync
 from pagedllm.sequence import Sequence, SequenceStatus
+from pagedllm.spec_decode.planner import SpecDecodePlanner
 from pagedllm.stop import check_stop
 
 
@@ -54,6 +55,13 @@ class SampledToken:
     top_logprobs: dict[int, Logprob] | None
     appended: bool  # False for a sequence whose owner appends (it is idle now)
     finished: SequenceStatus | None  # set when the token ended the sequence
+    # Its index in the sequence's output (appended tokens only): a stop string found at an
+    # earlier token of the same speculated run cuts the output, and discards this sample.
+    output_index: int | None = None
+
+    @property
+    def discarded(self) -> bool:
+        return self.output_index is not None and self.output_index >= self.seq.num_output_tokens
 
 
 class Scheduler:
@@ -69,6 +77,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of num_preemptions, those by swapping
         self.runner_sync = RunnerSync(kv_manager)  # what the runner holds of each sequence
+        spec = config.speculative
+        self.spec = SpecDecodePlanner(spec, max_model_len) if spec is not None else None
 
     # ---- queue management ----------------------------------------------------------------
     def add_seq(self, seq: Sequence) -> None:
@@ -163,6 +173,10 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0 or seq.waits_for_mask:
                 i += 1  # idle: its owner has not appended its next token yet; or its mask is not in
+                continue
+            if self.spec is not None and self.spec.schedule(out, seq, self.kv, budget, self.running, i):
+                budget -= out.num_scheduled_tokens[seq.seq_id]
+                i += 1
                 continue
             passed = None  # running[:i] as it was, once a preemption may change the indices
             preempted_self = False
@@ -327,10 +341,12 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: ModelRunnerOutput) -> list[SampledToken]:
         """Advances computed counts, registers written blocks in the prefix cache, collects prompt
         logprobs, appends sampled tokens, checks token stops and frees finished sequences; returns
-        the samples, in order."""
+        the samples, in order. A speculating sequence gets several samples: it appends them in
+        order until one stops it, its computed count advances over the tokens kept, and the
+        slots of the drafts not kept go back."""
         for seq_id, n in out.num_scheduled_tokens.items():
             seq = self.seqs.get(seq_id)
-            if seq is None:
+            if seq is None or seq_id in out.spec_token_ids:
                 continue
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)  # before the release: released full blocks stay cached
@@ -340,17 +356,31 @@ class Scheduler:
             if seq is not None:
                 seq.add_prompt_logprobs(chunk.first, chunk.entries)
         results = []
-        for i, seq_id in enumerate(sampled.seq_ids):
-            seq = self.seqs[seq_id]
-            tok = sampled.token_ids[i]
-            seq.sampled_at_len = seq.num_tokens
-            status = None
-            if seq.auto_append:
-                seq.append_output_token(tok)
-                status = check_stop(seq, self.max_model_len)
-            results.append(
-                SampledToken(seq, tok, sampled.logprobs[i], sampled.top_logprobs[i], seq.auto_append, status)
-            )
+        rows = sampled.seq_ids
+        i = 0
+        while i < len(rows):
+            seq = self.seqs[rows[i]]
+            end = i + 1
+            while end < len(rows) and rows[end] == rows[i]:
+                end += 1
+            drafts = out.spec_token_ids.get(seq.seq_id)
+            kept = 0
+            for row in range(i, end):
+                tok = sampled.token_ids[row]
+                seq.sampled_at_len = seq.num_tokens
+                status = None
+                if seq.auto_append:
+                    seq.append_output_token(tok)
+                    status = check_stop(seq, self.max_model_len)
+                kept += 1
+                index = seq.num_output_tokens - 1 if seq.auto_append else None
+                lp, top = sampled.logprobs[row], sampled.top_logprobs[row]
+                results.append(SampledToken(seq, tok, lp, top, seq.auto_append, status, index))
+                if status is not None:
+                    break  # a stop inside an accepted run: the tokens after it are not kept
+            if drafts is not None:  # the slots past the tokens kept go back, the runner's too
+                self.runner_sync.truncated(seq.seq_id, self.spec.verified(seq, self.kv, len(drafts), end - i - 1, kept))
+            i = end
         for r in results:
             if r.finished is not None:
                 self.finish_seq(r.seq.seq_id, r.finished)
@@ -358,5 +388,10 @@ class Scheduler:
 
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The runner raised on ``out``: what it holds of the scheduled sequences is unknown, so
-        they are sent whole next time (computed counts did not advance)."""
+        they are sent whole next time (computed counts did not advance), and the lookahead slots of
+        its drafts go back."""
         self.runner_sync.step_failed(out)
+        for seq_id in out.spec_token_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.RUNNING:
+                self.kv.trim_to_computed(seq)

@@ -44,6 +44,9 @@ class CachedSequenceData:
     # (index in the table, new block): a shared block replaced by its copy (copy-on-write)
     replaced_blocks: list[tuple[int, int]]
     num_computed_tokens: int
+    # Its table was cut to this many blocks before new_block_ids (slots of rejected drafts given
+    # back: spec_decode/); None: not cut.
+    truncate_to: int | None = None
 
 
 class GrammarBitmask(NamedTuple):
@@ -66,6 +69,9 @@ class SchedulerOutput:
     # Sequences whose blocks were taken (preempted): the runner drops their block tables but
     # keeps their generators, so a seeded sequence draws on where it left off.
     preempted_seq_ids: set[str] = field(default_factory=set)
+    # seq id -> draft tokens it runs after its last token (speculative decoding): such a sequence
+    # runs 1 + len(drafts) positions, and every one of them gives a target token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Set by the engine core after scheduling when sequences with structured outputs sample.
     grammar_bitmask: GrammarBitmask | None = None
 
@@ -87,8 +93,10 @@ class PromptLogprobsChunk(NamedTuple):
 
 @dataclass
 class ModelRunnerOutput:
-    """What the runner sampled: one row per sequence that reached the end of its known tokens;
-    and the prompt logprobs of the prompt positions it ran for sequences that want them."""
+    """What the runner sampled: one row per sequence that reached the end of its known tokens (a
+    speculating sequence: one consecutive row per token it keeps, its accepted drafts then the
+    target's own next token); and the prompt logprobs of the prompt positions it ran for
+    sequences that want them."""
 
     seq_ids: list[str]
     token_ids: list[int]
@@ -100,3 +108,10 @@ class ModelRunnerOutput:
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
         return cls([], [], [], [])
+
+    def extend(self, other: ModelRunnerOutput) -> None:
+        """Appends ``other``'s rows (sequences this output has none of)."""
+        self.seq_ids.extend(other.seq_ids)
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.top_logprobs.extend(other.top_logprobs)

@@ -24,6 +24,9 @@ class RunnerSync:
         self._sent_released: dict[str, int] = {}
         self._finished_ids: set[str] = set()  # gone since the last describe()
         self._preempted_ids: set[str] = set()
+        # Sequences whose tables lost their tail since last sent (rejected drafts' slots), and
+        # the length the runner must cut its copy to.
+        self._truncated: dict[str, int] = {}
 
     def finished(self, seq_id: str) -> None:
         """The sequence ended: the runner drops it."""
@@ -36,9 +39,18 @@ class RunnerSync:
         self._forget(seq_id)
         self._preempted_ids.add(seq_id)
 
+    def truncated(self, seq_id: str, num_blocks: int) -> None:
+        """The sequence's table was cut to ``num_blocks`` (its tail given back): the runner cuts its
+        copy too before appending what comes next."""
+        sent = self._sent_tables.get(seq_id)
+        if sent is not None and len(sent) > num_blocks:
+            del sent[num_blocks:]
+            self._truncated[seq_id] = min(num_blocks, self._truncated.get(seq_id, num_blocks))
+
     def _forget(self, seq_id: str) -> None:
         self._sent_tables.pop(seq_id, None)
         self._sent_released.pop(seq_id, None)
+        self._truncated.pop(seq_id, None)
 
     def describe(self, out: SchedulerOutput, seqs: dict[str, Sequence]) -> None:
         """Fills in what the runner needs of each scheduled sequence: all of a sequence it holds
@@ -86,6 +98,7 @@ class RunnerSync:
                         list(new_blocks),
                         replaced,
                         seq.num_computed_tokens,
+                        self._truncated.pop(seq_id, None),
                     )
                 )
             if sent is None:

@@ -144,6 +144,12 @@ class Sequence:
         if self.grammar is not None:
             self.grammar.accept(token_id)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keeps only the first ``num_output_tokens`` generated tokens: a stop string ended the
+        sequence at a token of a speculated run, and the run's later tokens are not output."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and not all in yet: its whole prompt must run through the

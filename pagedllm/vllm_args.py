@@ -110,7 +110,6 @@ VLLM_UNSUPPORTED: dict[str, object] = {
     "scheduling_policy": "fcfs",
     "served_model_name": None,
     "show_hidden_metrics_for_version": None,
-    "speculative_config": None,
     "structured_outputs_config": None,
     "task": "auto",
     "tokenizer_pool_extra_config": None,

@@ -57,7 +57,6 @@ def test_common_vllm_engine_args_construct_and_generate(tiny_llama):
     [
         (dict(load_format="pt"), "load_format"),
         (dict(cpu_offload_gb=2), "cpu_offload_gb"),
-        (dict(speculative_config={"method": "ngram"}), "speculative_config"),
         (dict(enable_lora=True), "enable_lora"),
         (dict(tokenizer_revision="dev"), "tokenizer_revision"),
         (dict(download_dir="/tmp/x"), "download_dir"),
@@ -111,7 +110,7 @@ def test_serve_flags():
     assert args.disable_log_requests is False
 
 
-@pytest.mark.parametrize("argv", [["--load-format", "pt"], ["--enable-lora"], ["--speculative-config", "{}"]])
+@pytest.mark.parametrize("argv", [["--load-format", "pt"], ["--enable-lora"], ["--cpu-offload-gb", "2"]])
 def test_unsupported_serve_flag_is_named(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser(["serve"]).parse_args(["serve", "m", *argv])

@@ -111,11 +111,14 @@ class SampleGroup:
             stop_str = out.detokenizer.add_token(sample.token_id, check_stop=seq.num_output_tokens >= sp.min_tokens)
             if stop_str is not None:
                 seq.stop_reason = stop_str
+                if sample.output_index is not None:
+                    seq.truncate_output(sample.output_index + 1)  # a speculated run's later tokens
                 if seq.is_finished:
                     seq.status = SequenceStatus.FINISHED_STOPPED
                 else:
                     self.core.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-        if seq.is_finished:
+        last = sample.output_index is None or sample.output_index == seq.num_output_tokens - 1
+        if seq.is_finished and last:  # (a speculated run's earlier samples come before it)
             self.registry.pop(seq.seq_id, None)
 
     def _fork_the_others(self, first: Sequence, now: float) -> None:

@@ -196,6 +196,8 @@ class LLMEngine:
         now = time.monotonic()
         advanced: dict[str, Group] = {}
         for s in samples:
+            if s.discarded:
+                continue  # after a stop string in the same speculated run
             seq = s.seq
             group = self._group_of[seq.seq_id]
             self.stats_counters["generation_tokens"] += 1
@@ -249,6 +251,7 @@ class LLMEngine:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "iteration_tokens": dict(self.core.iteration_tokens),
+            **(self.scheduler.spec.stats() if self.scheduler.spec is not None else {}),
             **self.stats_counters,
         }
 

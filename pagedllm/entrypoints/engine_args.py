@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from pagedllm.config import EngineConfig
@@ -61,7 +62,22 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
     "num_threads": "torch intra-op threads",
     "max_logprobs": "most logprobs / prompt_logprobs a request may ask for (default 20); -1: no cap",
+    "speculative_config": (
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}'
+    ),
 }
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (vLLM's --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def _flag(name: str) -> str:
@@ -93,7 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             )
             continue
         base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        parser.add_argument(*flags, type=base[0], default=f.default, help=_HELP.get(f.name))
+        kind = _json_object if base[0] is dict else base[0]
+        parser.add_argument(*flags, type=kind, default=f.default, help=_HELP.get(f.name))
     for name in VLLM_UNSUPPORTED:
         flag = _flag(name)
         if name in skip or flag in parser._option_string_actions:  # the command has its own

@@ -101,6 +101,12 @@ class KVCacheManager(abc.ABC):
         windowed); returns how many. Managers that keep every block return 0."""
         return 0
 
+    def trim_to_computed(self, seq: Sequence) -> int:
+        """Gives back the sequence's blocks past its ``num_computed_tokens`` (lookahead slots of
+        rejected drafts); returns the table's length after. Only managers that take speculative
+        decoding (EngineConfig refuses it for the others) implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not support speculative decoding")
+
     @abc.abstractmethod
     def block_snapshot(self) -> BlockSnapshot:
         """Every physical block's state and every sequence's block table (kv/block_view.py).

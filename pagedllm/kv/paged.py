@@ -140,6 +140,19 @@ class PagedKVCacheManager(KVCacheManager):
         if table is not None:
             self.prefix_cache.register(seq, table, self._num_tokens[seq.seq_id])
 
+    def trim_to_computed(self, seq: Sequence) -> int:
+        rid = seq.seq_id
+        table = self._tables[rid]
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        # Blocks past ``keep`` were taken for this step's drafts: never registered in the prefix
+        # cache (only computed full blocks are), so they go straight back to the pool.
+        dropped = table[keep:]
+        if dropped:
+            del table[keep:]
+            self.pool.free(reversed(dropped))
+        self._num_tokens[rid] = min(self._num_tokens[rid], seq.num_computed_tokens)
+        return len(table)
+
     def free(self, seq: Sequence) -> None:
         rid = seq.seq_id
         table = self._tables.pop(rid, None)

@@ -51,6 +51,13 @@ class BlockTables:
             row[n : n + len(new_block_ids)] = torch.tensor(new_block_ids, dtype=torch.long)
             self.num_blocks[r] = n + len(new_block_ids)
 
+    def truncate(self, seq_id: str, num_blocks: int) -> None:
+        """Cuts the sequence's table to its first ``num_blocks`` blocks (the rest were given back)."""
+        r = self._row[seq_id]
+        if num_blocks < self.num_blocks[r]:
+            self.table[r, num_blocks:] = 0
+            self.num_blocks[r] = num_blocks
+
     def remove(self, seq_id: str) -> None:
         r = self._row.pop(seq_id, None)
         if r is not None:

@@ -18,8 +18,10 @@ from pagedllm.logprobs import Logprob, logprob_dicts
 from pagedllm.runner.block_table import BlockTables
 from pagedllm.runner.kv_cache import apply_block_ops
 from pagedllm.runner.seq_state import SeqState
-from pagedllm.sampler import AllowedTokens, Sampler
+from pagedllm.sampler import AllowedTokens, Sampler, SamplerOutput
 from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from pagedllm.spec_decode.rejection import rejection_sample
+from pagedllm.spec_decode.verify import keep_accepted
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
@@ -108,18 +110,55 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, prompt_runs) if prompt_runs else {}
         if not sampling:
             return ModelRunnerOutput([], [], [], [], prompt_lps)
-        seq_ids = [s.seq_id for s in sampling]
         hidden = hidden[sample_rows]
+        spec = sched.spec_token_ids
+        drawn_rows = [i for i, s in enumerate(sampling) if s.seq_id in spec and not s.sampling_params.greedy]
+        drawn = None
+        if drawn_rows:  # speculating sequences that sample: rejection sampling, apart
+            drawn = self._rejection_sample(hidden[drawn_rows], [sampling[i] for i in drawn_rows], spec)
+            rest = sorted(set(range(len(sampling))) - set(drawn_rows))
+            hidden, sampling = hidden[rest], [sampling[i] for i in rest]
+            if not sampling:
+                drawn.prompt_logprobs = prompt_lps
+                return drawn
+        seq_ids = [s.seq_id for s in sampling]
         allowed = _allowed_tokens(sched, seq_ids)
+        out = None
         if allowed is None and self.sampler.argmax_only(sampling):
             ids = self.model.greedy_tokens(hidden)
             if ids is not None:
-                n = len(seq_ids)
-                return ModelRunnerOutput(seq_ids, ids.tolist(), [None] * n, [None] * n, prompt_lps)
-        logits = self.model.compute_logits(hidden)
-        # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
-        out = self.sampler(logits.cpu(), sampling, allowed)
-        return ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
+                out = SamplerOutput.of_tokens(ids.tolist())
+        if out is None:
+            logits = self.model.compute_logits(hidden)
+            # Sampling runs on the host: per-sequence torch.Generators are CPU generators.
+            out = self.sampler(logits.cpu(), sampling, allowed)
+        result = ModelRunnerOutput(seq_ids, out.token_ids, out.chosen_logprobs, out.top_logprobs, prompt_lps)
+        if spec:
+            result = keep_accepted(result, spec)
+        if drawn is not None:
+            result.extend(drawn)
+        return result
+
+    def _rejection_sample(
+        self, hidden: torch.Tensor, rows: list[SeqState], spec: dict[str, list[int]]
+    ) -> ModelRunnerOutput:
+        """The kept tokens of speculating sequences that sample (``rows``: each one's positions,
+        consecutive), drawn from their own generators (spec_decode/rejection.py)."""
+        seq_ids: list[str] = []
+        tokens: list[int] = []
+        i = 0
+        while i < len(rows):
+            state = rows[i]
+            drafts = spec[state.seq_id]
+            n = len(drafts) + 1
+            logits = self.model.compute_logits(hidden[i : i + n]).cpu()
+            probs = self.sampler.target_probs(logits, [state] * n)
+            kept = rejection_sample(probs, drafts, state.generator or self.sampler.generator)
+            seq_ids.extend([state.seq_id] * len(kept))
+            tokens.extend(kept)
+            i += n
+        none = [None] * len(tokens)
+        return ModelRunnerOutput(seq_ids, tokens, list(none), list(none))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, runs: list[_PromptRun]) -> dict[str, PromptLogprobsChunk]:
         """log p(prompt token p + 1 | tokens 0..p) for each run's positions p, from the same hidden
@@ -160,6 +199,8 @@ class ModelRunner:
             state = self.states[c.seq_id]
             state.all_token_ids.extend(c.new_token_ids)
             state.num_computed_tokens = c.num_computed_tokens
+            if c.truncate_to is not None:
+                self.block_tables.truncate(c.seq_id, c.truncate_to)
             self.block_tables.update(c.seq_id, c.new_block_ids, c.replaced_blocks)
 
     @torch.inference_mode()
@@ -219,7 +260,10 @@ class ModelRunner:
             end = start + n
             row = tables.table[tables.row(s.seq_id)]
             q_start = len(tokens)
-            tokens.extend(s.all_token_ids[start:end])
+            drafts = sched.spec_token_ids.get(s.seq_id)
+            # A speculating sequence runs its last token and its drafts, like a prefill chunk.
+            seq_tokens = s.all_token_ids if drafts is None else s.all_token_ids + drafts
+            tokens.extend(seq_tokens[start:end])
             prompt_run(s, q_start, start, n)
             p = torch.arange(start, end, dtype=torch.long)
             pos_parts.append(p)
@@ -241,7 +285,10 @@ class ModelRunner:
                     mask=mask,
                 )
             )
-            if end == s.num_tokens:
+            if drafts is not None:  # every position gives a target token
+                sample_rows.extend(range(q_start, q_start + n))
+                sampling.extend([s] * n)
+            elif end == s.num_tokens:
                 sample_rows.append(q_start + n - 1)
                 sampling.append(s)
 
