@@ -18,10 +18,11 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 4.0
 _KV_LAYOUTS = ("paged", "contiguous")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 _QUANTIZATIONS = ("auto", "gguf", None)
-# kv_cache_dtype: "auto" (models/loader.py resolve_kv_cache_dtype) or a named store; vLLM's 8-bit
-# names are refused by name until they have kernels.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_CACHE_DTYPES_NOT_YET = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# kv_cache_dtype: "auto" (models/loader.py resolve_kv_cache_dtype) or a named store, in vLLM's names
+# ("fp8" is its e4m3). int8 is refused by name until it has kernels.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+_KV_CACHE_DTYPES_NOT_YET = ("int8",)
 
 
 @dataclass
@@ -120,10 +121,11 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {(*_DTYPES, *_DTYPE_ALIASES)}, got {self.dtype!r}.")
         kv = str(self.kv_cache_dtype).lower()
-        self.kv_cache_dtype = _DTYPE_ALIASES.get(kv, kv)  # the dtype spellings
+        kv = _DTYPE_ALIASES.get(kv, kv)  # the dtype spellings
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(kv, kv)
         if self.kv_cache_dtype in _KV_CACHE_DTYPES_NOT_YET:
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the 8-bit caches have no kernels; "
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: it has no kernels; "
                 f"use one of {KV_CACHE_DTYPES}."
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -212,10 +212,14 @@ def test_float32_decode_kernel_equals_reference(block_size, h, hkv, d):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["kv-bf16", "kv-f16"])
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=["kv-bf16", "kv-f16", "kv-e4m3", "kv-e5m2"],
+)
 @pytest.mark.parametrize("block_size,h,hkv,d", F32_CASES)
 def test_float32_decode_kernel_over_a_narrow_cache_equals_reference(block_size, h, hkv, d, kv_dtype):
-    """kv_cache_dtype bf16 / fp16 under float32 queries: the kernel widens the cache's values as
+    """kv_cache_dtype bf16 / fp16 / fp8 under float32 queries: the kernel widens the cache's values as
     the reference does, so the two differ by float summation order only; both stay within the
     K/V rounding of the float32 cache's result."""
     q, k, v, kc, vc, meta, _ = build_batch(block_size, h, hkv, d, 2, F32_LENS, [])
@@ -226,8 +230,10 @@ def test_float32_decode_kernel_over_a_narrow_cache_equals_reference(block_size, 
     out = torch.empty_like(q)
     kernels.paged_decode_attention(out, q, kc_n, vc_n, meta.decode_block_tables, meta.decode_seq_lens, scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    # bf16 keeps 8 significant bits, fp16 11: the outputs (averages of unit normals) move by less
-    rounding = 2e-2 if kv_dtype == torch.bfloat16 else 3e-3
+    # significant bits: bf16 8, fp16 11, e4m3 4, e5m2 3: the outputs (averages of unit normals)
+    # move by less than a few roundings of a unit value (measured over these cases: 7.6e-3, 1.0e-3,
+    # 0.13, 0.27; against the reference on the same narrow cache all stay below 1e-6)
+    rounding = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float8_e4m3fn: 0.15, torch.float8_e5m2: 0.3}[kv_dtype]
     torch.testing.assert_close(out, wide, atol=rounding, rtol=0)
     assert not torch.equal(out, wide)  # the cache really was narrower
 
@@ -238,7 +244,7 @@ def test_decode_kernel_refuses_other_cache_dtypes():
     args = (meta.decode_block_tables, meta.decode_seq_lens, 0.125)
     for qd, kvd in ((torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float64)):
         qq = q.to(qd)
-        with pytest.raises(RuntimeError, match="bfloat16 / float16 under float32 q"):
+        with pytest.raises(RuntimeError, match="float8 under float32 q"):
             kernels.paged_decode_attention(torch.empty_like(qq), qq, kc.to(kvd), vc.to(kvd), *args)
 
 

@@ -21,12 +21,13 @@ from pagedllm.sampler import Sampler
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels could not be built here")
 BF16, F32 = torch.bfloat16, torch.float32
+FP8_E4M3, FP8_E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 @pytest.mark.parametrize(
     "dtype,kv_dtype",
-    [(BF16, BF16), (F32, F32), (F32, BF16), (F32, torch.float16)],
-    ids=["bf16", "f32", "f32-kv-bf16", "f32-kv-f16"],
+    [(BF16, BF16), (F32, F32), (F32, BF16), (F32, torch.float16), (F32, FP8_E4M3), (F32, FP8_E5M2)],
+    ids=["bf16", "f32", "f32-kv-bf16", "f32-kv-f16", "f32-kv-e4m3", "f32-kv-e5m2"],
 )
 @pytest.mark.parametrize("h,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 128), (3, 1, 10)])
 def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype, kv_dtype):
@@ -61,21 +62,27 @@ def test_rope_and_cache_write_is_bit_exact(h, hkv, d, dtype, kv_dtype):
     assert torch.equal(buf[:, qkv.shape[1] :], torch.zeros(t, 32, dtype=dtype))  # nothing past the row
 
 
-def test_float16_cache_saturates_rather_than_store_infinities():
-    """K/V beyond float16's range are stored as +-65504 by the kernel and the reference alike."""
+@pytest.mark.parametrize(
+    "kv_dtype,largest", [(torch.float16, 65504), (FP8_E4M3, 448), (FP8_E5M2, 57344)], ids=["f16", "e4m3", "e5m2"]
+)
+def test_narrow_cache_saturates_rather_than_store_infinities(kv_dtype, largest):
+    """K/V beyond the cache dtype's range are stored as its largest finite value by the kernel
+    and the reference alike (float8 as vLLM stores it unscaled)."""
     h, hkv, d = 2, 1, 8
     qkv = torch.zeros(2, (h + 2 * hkv) * d)
-    qkv[:, h * d :] = torch.tensor([1e6, -1e6, 7.0, 70000.0] * (2 * hkv * d // 4)).repeat(2, 1)
+    qkv[:, h * d :] = torch.tensor([1e6, -1e6, 7.0, 70000.0, 500.0, -460.0, 1e-5, -3e-3] * (2 * hkv * d // 8)).repeat(
+        2, 1
+    )
     cos, sin = torch.ones(4, d), torch.zeros(4, d)  # no rotation
     slots, positions = torch.tensor([1, 6]), torch.tensor([0, 3])
-    k_cache = torch.zeros(2, hkv, 4, d, dtype=torch.float16)
+    k_cache = torch.zeros(2, hkv, 4, d, dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
     kernels.rope_and_cache_write(qkv.clone(), positions, cos, sin, k_cache, v_cache, slots, h, hkv)
     kc_ref, vc_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     k, v = qkv[:, h * d :].view(2, 2 * hkv, d).split(hkv, dim=1)
     write_kv_cache(k, v, kc_ref, vc_ref, slots)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
-    assert torch.isfinite(k_cache.float()).all() and k_cache.float().abs().max() == 65504
+    assert torch.isfinite(k_cache.float()).all() and k_cache.float().abs().max() == largest
 
 
 def test_rope_and_cache_write_rejects_mixed_dtypes():

@@ -37,16 +37,20 @@ def write_kv_cache(
     v_cache[blocks, :, offsets] = to_cache_dtype(value, v_cache.dtype)
 
 
-FP16_MAX = 65504.0  # the largest finite float16
+# The largest finite value of each cache dtype that can overflow (float16, and float8 stored
+# unscaled as vLLM stores it without calibrated k/v scales).
+_CACHE_MAX = {torch.float16: 65504.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t rounded to the KV cache's dtype; a float16 cache saturates at +-65504 rather than store
-    an infinity (the kernels, built with -ffast-math, assume finite values; as the C++ writer)."""
+    """t rounded to the KV cache's dtype (to nearest even); float16 / float8 caches saturate at
+    their largest finite value rather than store an infinity (the kernels, built with
+    -ffast-math, assume finite values; as the C++ writer)."""
     if t.dtype == dtype:
         return t
-    if dtype == torch.float16 and t.dtype != torch.float16:
-        t = t.clamp(-FP16_MAX, FP16_MAX)
+    limit = _CACHE_MAX.get(dtype)
+    if limit is not None:
+        t = t.clamp(-limit, limit)
     return t.to(dtype)
 
 

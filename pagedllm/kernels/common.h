@@ -60,6 +60,12 @@ inline bool amx_permitted() {
 }
 #endif
 
+// The KV cache element types narrower than float32 activations (kv_cache_dtype) that the
+// attention and RoPE + cache-write kernels read and write (interface.py NARROW_KV_DTYPES).
+inline bool narrow_kv_cache(c10::ScalarType t) {
+  return t == torch::kBFloat16 || t == torch::kHalf || t == torch::kFloat8_e4m3fn || t == torch::kFloat8_e5m2;
+}
+
 inline float bf16_bits_to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }
 // float -> bfloat16 bits, round to nearest even (no NaNs reach these kernels).
 inline uint16_t float_to_bf16_bits(float f) {

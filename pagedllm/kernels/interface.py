@@ -17,7 +17,7 @@ import torch
 MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # KV caches narrower than float32 activations (kv_cache_dtype) that the kernels read and write
-NARROW_KV_DTYPES = (torch.bfloat16, torch.float16)
+NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
@@ -31,7 +31,7 @@ FINE_SCALES_OFFSET = 1000
 
 def kv_cache_dtype_supported(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """Whether the attention and RoPE + cache-write kernels take activations of ``dtype`` over a
-    KV cache of ``kv_dtype``: the same dtype, or bf16 / fp16 caches under float32 activations."""
+    KV cache of ``kv_dtype``: the same dtype, or bf16 / fp16 / fp8 caches under float32 activations."""
     return kv_dtype == dtype or (dtype == torch.float32 and kv_dtype in NARROW_KV_DTYPES)
 
 

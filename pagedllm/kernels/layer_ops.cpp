@@ -59,13 +59,18 @@ inline void store_row(at::BFloat16* dst, const float* src, int64_t D) {
 #pragma omp simd
   for (int64_t i = 0; i < D; ++i) d[i] = float_to_bf16_bits(src[i]);
 }
-// float16 saturates at +-65504 rather than store an infinity (as the reference's to_cache_dtype).
-inline void store_row(at::Half* dst, const float* src, int64_t D) {
-  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::Half>(std::min(65504.f, std::max(-65504.f, src[i])));
+// float16 / float8 saturate at their largest finite value rather than store an infinity (as the
+// reference's to_cache_dtype); c10's conversions round to nearest even, as torch's .to().
+template <typename C>
+inline void store_saturated(C* dst, const float* src, int64_t D, float limit) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<C>(std::min(limit, std::max(-limit, src[i])));
 }
+inline void store_row(at::Half* dst, const float* src, int64_t D) { store_saturated(dst, src, D, 65504.f); }
+inline void store_row(at::Float8_e4m3fn* dst, const float* src, int64_t D) { store_saturated(dst, src, D, 448.f); }
+inline void store_row(at::Float8_e5m2* dst, const float* src, int64_t D) { store_saturated(dst, src, D, 57344.f); }
 
 // E: uint16_t (bf16 bits) or float, the element of qkv and the tables; C: the caches' element (E,
-// or at::BFloat16 / at::Half under a float E: kv_cache_dtype narrower than the activations).
+// or at::BFloat16 / at::Half / float8 under a float E: kv_cache_dtype narrower than the activations).
 template <typename E, typename C>
 void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64_t* sp, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
@@ -99,16 +104,16 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
 // qkv: [T, (H + 2 * Hkv) * D] bf16 or float32, rows may be strided; q and k parts are rotated in
 // place, then k and v are stored at slot_mapping in the paged caches [num_blocks, Hkv, block_size, D].
 // cos/sin: [max_positions, D] tables in qkv's dtype (the bf16 reference casts its float tables to
-// bf16 too). The caches are in qkv's dtype, or for float32 qkv bfloat16 / float16 (kv_cache_dtype).
+// bf16 too). The caches are in qkv's dtype, or for float32 qkv bfloat16 / float16 / float8 (kv_cache_dtype).
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                           int64_t num_kv_heads) {
   const auto dt = qkv.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && cos.scalar_type() == dt && sin.scalar_type() == dt &&
                   v_cache.scalar_type() == ct &&
-                  (ct == dt || (dt == torch::kFloat && (ct == torch::kBFloat16 || ct == torch::kHalf))),
+                  (ct == dt || (dt == torch::kFloat && narrow_kv_cache(ct))),
               "rope_and_cache_write: qkv and tables all bfloat16 or all float32; caches of qkv's dtype, or "
-              "bfloat16 / float16 under float32 qkv");
+              "bfloat16 / float16 / float8 under float32 qkv");
   TORCH_CHECK(qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_and_cache_write: bad layout");
@@ -138,6 +143,11 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
     rope_and_cache_write_impl<float, at::BFloat16>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
   else if (ct == torch::kHalf)
     rope_and_cache_write_impl<float, at::Half>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+  else if (ct == torch::kFloat8_e4m3fn)
+    rope_and_cache_write_impl<float, at::Float8_e4m3fn>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads,
+                                                        num_kv_heads);
+  else if (ct == torch::kFloat8_e5m2)
+    rope_and_cache_write_impl<float, at::Float8_e5m2>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
   else
     rope_and_cache_write_impl<float, float>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
 }

@@ -45,7 +45,9 @@ inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(s[i]);
 }
-inline void load_row(const at::Half* src, float* dst, int64_t n) {
+// float16 and float8 through c10's conversions
+template <typename KV>
+inline void load_row(const KV* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -632,6 +634,24 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// float8 through float16 (F16C): e5m2 is float16's high byte. e4m3's sign, exponent and mantissa
+// shifted into float16's places read as the value * 2^-8 (exponent biases 7 and 15; subnormals
+// included): load8 returns that, and kLoadScale says so. The kernel scales the scores and the
+// probabilities by it instead of every value (exact: a power of two). The cache never holds
+// e4m3's NaN (the writer saturates).
+template <typename KV>
+constexpr float kLoadScale = 1.f;
+template <>
+constexpr float kLoadScale<at::Float8_e4m3fn> = 256.f;
+inline __m128i load8_bytes_as_words(const void* p) {
+  return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const at::Float8_e5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(load8_bytes_as_words(p), 8)); }
+inline __m256 load8(const at::Float8_e4m3fn* p) {
+  // sign-extended, so after the shift bit 15 is the sign; bit 14 (the sign again) is cleared
+  const __m128i w = _mm_slli_epi16(load8_bytes_as_words(p), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16(static_cast<short>(0xBF80))));
+}
 
 // Raw scores of query row q against the m <= 8 key rows k (row stride D); lanes >= m are 0. The
 // dims loop is outside the keys loop: 8 independent FMA chains (Zen 3: 2 FMAs of latency 4 in flight).
@@ -697,6 +717,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
                       float* sum, F32Run<KV> next) {
   using Run = F32Run<KV>;
   const int64_t G = g.group, bs = g.block_size, n = t1 - t0;
+  scale *= kLoadScale<KV>;  // the scores of keys read at 1 / kLoadScale
   // The chunk's keys as nr runs; run k starts at key tk (t - t0 into the scores).
   const int64_t b0 = t0 / bs, nr = (t1 - 1) / bs - b0 + 1;
   auto run_key = [&](int64_t k) { return k == 0 ? t0 : (b0 + k) * bs; };
@@ -734,7 +755,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     if (ahead.p != nullptr && ahead.rows > asked) prefetch_rows<D>(ahead.p, asked, ahead.rows);
     if (second.p != nullptr && second.rows > asked) prefetch_rows<D>(second.p, asked, second.rows);
   }
-  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256 vscale = _mm256_set1_ps(scale), vunit = _mm256_set1_ps(kLoadScale<KV>);
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < G; ++j) {
     float* sj = S + j * ss;
@@ -752,7 +773,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     for (int64_t t = 0; t < n; t += 8) {
       const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
       const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_loadu_ps(sj + t), vscale, vmx)), live);
-      _mm256_storeu_ps(sj + t, e);
+      _mm256_storeu_ps(sj + t, kLoadScale<KV> == 1.f ? e : _mm256_mul_ps(e, vunit));  // V is read at 1 / kLoadScale
       vs = _mm256_add_ps(vs, e);
     }
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
@@ -931,7 +952,7 @@ inline bool decode_f32_fast(const Geometry& g, int64_t num_seqs, const float* qp
 #define PAGEDLLM_AVX2_F32 0
 #endif
 
-// scalar_t: of q and out; kv_t: of the caches (scalar_t, or bf16 / fp16 under float32 q).
+// scalar_t: of q and out; kv_t: of the caches (scalar_t, or bf16 / fp16 / fp8 under float32 q).
 template <typename scalar_t, typename kv_t = scalar_t>
 void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
@@ -1074,10 +1095,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2) &&
                   v_cache.scalar_type() == k_cache.scalar_type() &&
                   (k_cache.scalar_type() == q.scalar_type() ||
-                   (q.scalar_type() == torch::kFloat &&
-                    (k_cache.scalar_type() == torch::kBFloat16 || k_cache.scalar_type() == torch::kHalf))),
+                   (q.scalar_type() == torch::kFloat && narrow_kv_cache(k_cache.scalar_type()))),
               "paged_decode_attention: q [seqs, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim] "
-              "of q's dtype, or bfloat16 / float16 under float32 q");
+              "of q's dtype, or bfloat16 / float16 / float8 under float32 q");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == q.size(0),
               "paged_decode_attention: one block table row and one length per sequence");
@@ -1095,6 +1115,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     decode_impl<float, at::BFloat16>(out, q, k_cache, v_cache, bt, sl, scale, window);
   } else if (q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kHalf) {
     decode_impl<float, at::Half>(out, q, k_cache, v_cache, bt, sl, scale, window);
+  } else if (q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat8_e4m3fn) {
+    decode_impl<float, at::Float8_e4m3fn>(out, q, k_cache, v_cache, bt, sl, scale, window);
+  } else if (q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat8_e5m2) {
+    decode_impl<float, at::Float8_e5m2>(out, q, k_cache, v_cache, bt, sl, scale, window);
   } else if (q.scalar_type() == torch::kFloat) {
     decode_impl<float>(out, q, k_cache, v_cache, bt, sl, scale, window);
   } else if (q.scalar_type() == torch::kBFloat16) {

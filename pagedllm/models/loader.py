@@ -21,6 +21,8 @@ from pagedllm.parallel.group import TensorParallelGroup
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's 8-bit cache names: unscaled float8 (vLLM's k_scale = v_scale = 1.0 when uncalibrated).
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def load_hf_config(model_dir: str):
@@ -57,7 +59,7 @@ def resolve_kv_cache_dtype(
     the reverse) would round K/V to a format that is not narrower, only different: refused."""
     if kv_cache_dtype == "auto":
         return torch.float16 if quantized_weights and activation_dtype == torch.float32 else activation_dtype
-    kv = _DTYPES[kv_cache_dtype]
+    kv = _KV_DTYPES[kv_cache_dtype]
     if kv != activation_dtype and activation_dtype != torch.float32:
         act = str(activation_dtype).removeprefix("torch.")
         raise ValueError(

@@ -74,8 +74,13 @@ def move_blocks(
     src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
     for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
-        dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=False))
-        dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=False))
+        for s_cache, d_cache in ((_as_bytes(sk), _as_bytes(dk)), (_as_bytes(sv), _as_bytes(dv))):
+            d_cache.index_copy_(0, dst, s_cache.index_select(0, src).to(dst_dev, non_blocking=False))
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A float8 cache viewed as its bytes (torch has no index_copy_ for float8; a copy is bytes)."""
+    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
 
 
 def apply_block_ops(

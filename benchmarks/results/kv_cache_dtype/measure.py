@@ -1,4 +1,5 @@
-"""kv_cache_dtype side by side: float32 (the "auto" cache of GGUF models) vs bfloat16 vs float16.
+"""kv_cache_dtype side by side: float32 vs bfloat16 vs float16 (the "auto" cache of GGUF models) vs
+float8 (e4m3, e5m2: vLLM's fp8 caches, unscaled).
 
 Parts (each alone under the benchmark lock; the caller takes it):
   capacity    KV bytes per token and blocks per GiB, default model, Gemma 3 270M, the 1.7B shape;
@@ -32,7 +33,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..", "..")
 TEXT = os.path.join(ROOT, "benchmarks", "data", "kjv-romans.txt")
-KV_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name) or getattr(torch, name)
 
 
 def machine() -> dict:
@@ -51,8 +58,6 @@ def machine() -> dict:
 
 
 def capacity() -> dict:
-    import torch
-
     from pagedllm.runner.kv_cache import GIB, kv_bytes_per_block
 
     shapes = {  # layers, KV heads, head_dim
@@ -62,7 +67,7 @@ def capacity() -> dict:
     }
     rows = []
     for name, (layers, heads, dim) in shapes.items():
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dtype in map(torch_dtype, KV_DTYPES):
             per_block = kv_bytes_per_block(layers, 16, heads, dim, dtype)
             rows.append(
                 {
@@ -90,7 +95,7 @@ def attention() -> dict:
     lens = torch.full((seqs,), ctx, dtype=torch.long)
     q = torch.randn(seqs, heads, dim, generator=g)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in map(torch_dtype, KV_DTYPES):
         kc, vc = k.to(dtype), v.to(dtype)
         out = torch.empty_like(q)
         kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
@@ -103,9 +108,10 @@ def attention() -> dict:
         cache_bytes = 2 * kc.numel() * kc.element_size()
         name = str(dtype).removeprefix("torch.")
         rows.append({"kv_dtype": name, "ms": round(ms, 2), "GB_per_s": round(cache_bytes / ms / 1e6, 1)})
-    base = rows[0]["ms"]
+    base, base16 = rows[0]["ms"], rows[KV_DTYPES.index("float16")]["ms"]
     for r in rows:
         r["speedup_vs_float32"] = round(base / r["ms"], 2)
+        r["speedup_vs_float16"] = round(base16 / r["ms"], 2)
     return {
         "shape": {"seqs": seqs, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": dim},
         "isa": kernels.compiled_isa(),
@@ -168,7 +174,7 @@ def throughput(gguf: str, kv_gib: float, num_prompts: int, kv_dtypes: list[str])
 
 
 def markdown(results: dict) -> str:
-    lines = ["# kv_cache_dtype: float32 vs bfloat16 vs float16 KV caches", ""]
+    lines = ["# kv_cache_dtype: float32 vs bfloat16 vs float16 vs float8 KV caches", ""]
     m = results.get("machine", {})
     lines += [f"Machine: {m.get('cpu')}, {m.get('cores')} cores, flags {' '.join(m.get('flags', []))}.", ""]
     lines += ["Command:", "", "```", results.get("command", ""), "```", ""]
@@ -187,6 +193,36 @@ def markdown(results: dict) -> str:
             lines.append("| " + " | ".join(str(r.get(c)) for c in cols) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """results.png: blocks per GiB (the 1.7B shape), decode attention ms, perplexity change, per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if "capacity" in results:
+        rows = [r for r in results["capacity"]["rows"] if r["model"] == "smollm2-1.7b shape"]
+        panels.append(("KV blocks per GiB (1.7B shape)", {r["kv_dtype"]: r["blocks_per_gib"] for r in rows}))
+    if "attention" in results:
+        rows = results["attention"]["rows"]
+        panels.append(("decode attention, 16 x 8k context (ms)", {r["kv_dtype"]: r["ms"] for r in rows}))
+    for model in sorted({r["model"] for r in results.get("perplexity", {}).get("rows", [])}):
+        rows = [r for r in results["perplexity"]["rows"] if r["model"] == model and "no kernels" not in r["kv_dtype"]]
+        panels.append((f"perplexity vs float32 cache (%)\n{model}", {r["kv_dtype"]: r["vs_float32_pct"] for r in rows}))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (title, values) in zip(axes if len(panels) > 1 else [axes], panels, strict=True):
+        names = [n.replace("float8_", "") for n in values]
+        ax.bar(names, list(values.values()), color="#4c72b0")
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(f"kv_cache_dtype, {results.get('machine', {}).get('cpu', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -214,6 +250,7 @@ def main() -> None:
         json.dump(results, fh, indent=1)
     with open(os.path.join(HERE, "results.md"), "w") as fh:
         fh.write(markdown(results))
+    plot(results, os.path.join(HERE, "results.png"))
 
 
 if __name__ == "__main__":
