@@ -85,6 +85,21 @@ class AttentionMetadata:
             self._prefill_rows = (tables.repeat_interleave(q_lens, dim=0), lens)
         return self._prefill_rows
 
+    def rows_as_decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row of the step as a decode row, in row order (prefill_as_decode_rows steps):
+        block tables [rows, max_blocks] padded with 0, and each row's key count [rows]."""
+        if not self.prefills:
+            return self.decode_block_tables, self.decode_seq_lens
+        tables, lens = self.prefill_rows()
+        if not self.num_decodes:
+            return tables, lens
+        dt = self.decode_block_tables
+        width = max(dt.shape[1], tables.shape[1])
+        padded = torch.zeros(dt.shape[0] + tables.shape[0], width, dtype=torch.long)
+        padded[: dt.shape[0], : dt.shape[1]] = dt
+        padded[dt.shape[0] :, : tables.shape[1]] = tables
+        return padded, torch.cat([self.decode_seq_lens, lens])
+
     def decode_view(self, block_size: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' block tables and visibility mask [num_decodes, 1, 1, keys] as the
         reference path reads them (built once per window per step). With a window, the tables

@@ -184,19 +184,13 @@ def forward_fused(
     residual = x  # the embedding lookup made a fresh tensor: safe to update in place
     h = model.layers[0].input_layernorm(x)
     plan = model._decoder_plan
-    if plan is not None and not meta.prefills and meta.decode_kernel is not None:
-        # Every row a decode: the same kernels as the loop below, from one C++ call.
-        return plan.decode(
-            h,
-            residual,
-            rope_rows,
-            cos,
-            sin,
-            kv_caches,
-            slots,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-        )
+    if plan is not None and meta.decode_kernel is not None and (not meta.prefills or meta.prefill_as_decode_rows):
+        # Every row a decode, or attended as one (float32 prefill rows, e.g. the verifying pass of
+        # speculative decoding): the same kernels as the loop below, from one C++ call. Each row's
+        # attention depends on its own keys alone, so one call over all rows gives the bits of the
+        # loop's two (decode rows, then prefill rows).
+        tables, lens = meta.rows_as_decodes()
+        return plan.decode(h, residual, rope_rows, cos, sin, kv_caches, slots, tables, lens)
     for lyr, (k_cache, v_cache) in zip(model._fused_layers, kv_caches, strict=True):
         qkv = lyr.qkv(h)
         if lyr.q_norm is not None:
