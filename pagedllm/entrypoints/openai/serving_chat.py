@@ -134,6 +134,8 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         plan, constraint, constraint_field = self._constraint(req)
+        if plan is not None and plan.keeps_special_tokens:  # else the calls' marker is decoded away
+            req.skip_special_tokens = False
         self.check_control_sizes(req)
         params = to_sampling_params(
             req,
