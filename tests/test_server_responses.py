@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_input import input_messages
 from pagedllm.entrypoints.openai.responses_streaming import ResponseEvents, StreamedOutput
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan
-from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
+from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser, MistralToolParser, Qwen3XmlToolParser
 
 MODEL = "tiny"
 STORE_SIZE = 6
@@ -399,3 +399,25 @@ def test_auto_tool_calls_stream_after_the_text():
     assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call", "get_time", {"zone": 1})
     arguments = [e for e in parsed if e.type.startswith("response.function_call_arguments")]
     assert [e.output_index for e in arguments] == [1, 1] and arguments[0].delta == call["arguments"]
+
+
+@pytest.mark.parametrize(
+    ("parser", "call"),
+    [
+        (HermesToolParser(), '<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>'),
+        (MistralToolParser(), '[TOOL_CALLS]get_time[ARGS]{"zone": 1}'),
+        (Qwen3XmlToolParser(), "<tool_call>\n<function=get_time>\n<parameter=zone>\n1\n</parameter>\n</function>"),
+    ],
+)
+def test_text_before_a_call_in_the_last_output_is_sent(parser, call):
+    """The engine may hand over the text before a call and the call together, finished: that
+    text is still the message, before the call."""
+    plan = ToolPlan("auto", [], parser=parser)
+    output = StreamedOutput(ResponseEvents(), plan)
+    text = "Checking the time. " + call
+    sse = output.update("Check", False) + output.update(text, True) + output.finish(text, "completed")
+    parsed = [EVENTS.validate_python(json.loads(e.split("data: ", 1)[1])) for e in sse]
+    deltas = "".join(e.delta for e in parsed if e.type == "response.output_text.delta")
+    assert deltas == "Checking the time. "
+    message, fn = output.items
+    assert message["content"][0]["text"] == deltas and fn["name"] == "get_time"

@@ -95,7 +95,7 @@ def build_app(
     ``show_model_path``: /v1/models gives the model's folder as ``root`` (by default the served
     name: a local path tells clients about the server's file system). ``tool_call_parser`` /
     ``enable_auto_tool_choice``: how tool_choice "auto" reads calls from the model's text
-    (tool_parsers.py). ``responses_store_size``: responses /v1/responses keeps (response_store.py)."""
+    (tool_parsers/). ``responses_store_size``: responses /v1/responses keeps (response_store.py)."""
     facts = engine.facts
     metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=facts.max_model_len)
     if not metrics.cache_config:

@@ -57,7 +57,7 @@ class StreamedOutput:
         else:
             shown = plan.streamable_len(text)
         if finished and plan is not None and plan.calls_of(text)[1]:
-            shown = self.consumed  # the rest is the calls (what precedes them was sent)
+            shown = plan.streamable_len(text)  # the text before the calls; the rest is the calls
         delta = text[self.consumed : max(shown, self.consumed)]
         self.consumed = max(shown, self.consumed)
         return self._text_delta(delta) if delta else []

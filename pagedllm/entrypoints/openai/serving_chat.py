@@ -134,6 +134,8 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         plan, constraint, constraint_field = self._constraint(req)
+        if plan is not None and plan.keeps_special_tokens:  # else the calls' marker is decoded away
+            req.skip_special_tokens = False
         self.check_control_sizes(req)
         params = to_sampling_params(
             req,
@@ -319,7 +321,8 @@ class OpenAIServingChat(OpenAIServing):
                         shown = plan.streamable_len(c.text)
                     else:
                         _, calls = plan.calls_of(c.text)
-                        shown = st.text_len if calls else len(c.text)
+                        # With calls: the text before them, which the last outputs may have brought.
+                        shown = plan.streamable_len(c.text) if calls else len(c.text)
                     delta = c.text[st.text_len : max(shown, st.text_len)]
                     new_ids = c.token_ids[st.num_tokens :]
                     lp_new = want_lp and c.logprobs is not None and bool(new_ids)

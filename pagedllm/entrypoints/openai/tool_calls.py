@@ -43,10 +43,15 @@ class ToolPlan:
                 calls = _required_calls(text)
                 return (None, calls) if calls else (text, [])
             if self.mode == "auto" and self.parser is not None:
-                return self.parser.extract(text)
+                return self.parser.extract(text, self.tools)
         except Exception as e:  # a parser's bug must not lose the answer: it is still the text
             logger.warning("tool-call parsing failed (%s); the output is returned as content", type(e).__name__)
         return text, []
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must keep special tokens: the parser's markers are some."""
+        return self.mode == "auto" and self.parser is not None and self.parser.keeps_special_tokens
 
     def streamable_len(self, text: str) -> int:
         """Leading characters of a partial output that are content whatever follows."""

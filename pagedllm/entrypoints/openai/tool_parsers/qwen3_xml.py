@@ -1,0 +1,154 @@
+"""``qwen3_xml`` (also ``qwen3_coder``; Qwen3-Coder, Qwen3-Next...): XML-like calls, text before
+the first is content::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is text; it becomes the type the tool's JSON schema gives that parameter
+(integer, number, boolean, object, array, null), and stays a string where the schema says so,
+says nothing, or the text is not of that type.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from typing import Any
+
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    MarkedToolParser,
+    ToolCall,
+    arguments_json,
+    loads,
+)
+
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*|$)", re.S)
+# A parameter ends at its closing tag, or (the tag left out) where the next one or the end begins.
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_NOT_CONVERTED = object()
+_JSON_TYPE = {bool: "boolean", int: "integer", float: "number", type(None): "null", dict: "object", list: "array"}
+
+
+def _types(schema: object) -> list[str]:
+    if not isinstance(schema, dict):
+        return []
+    t = schema.get("type")
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list):
+        return [x for x in t if isinstance(x, str)]
+    for key in ("anyOf", "oneOf"):  # Optional[int] and the like: the union of the branches' types
+        if isinstance(schema.get(key), list):
+            return [k for branch in schema[key] for k in _types(branch)]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return sorted({_JSON_TYPE.get(type(v), "string") for v in enum})
+    return []
+
+
+def _as_type(value: str, kind: str) -> object:
+    """``value`` as the JSON schema type ``kind``, or _NOT_CONVERTED."""
+    text = value.strip()
+    try:
+        if kind == "integer":
+            n = loads(text)
+            if isinstance(n, float) and n.is_integer():
+                n = int(n)
+            return n if isinstance(n, int) and not isinstance(n, bool) else _NOT_CONVERTED
+        if kind == "number":
+            n = loads(text)
+            ok = isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n)
+            return n if ok else _NOT_CONVERTED
+        if kind == "boolean":
+            return {"true": True, "false": False}.get(text.lower(), _NOT_CONVERTED)
+        if kind == "null":
+            return None if text.lower() in ("null", "none") else _NOT_CONVERTED
+        if kind in ("object", "array"):
+            want = dict if kind == "object" else list
+            try:
+                obj = loads(text)
+            except ValueError:  # models also write Python literals ({'a': 1}, True)
+                obj = ast.literal_eval(text)
+            arguments_json({"v": obj})  # must be JSON
+            return obj if isinstance(obj, want) else _NOT_CONVERTED
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+        pass
+    return _NOT_CONVERTED
+
+
+def convert(value: str, schema: object) -> object:
+    """A parameter's text as its schema types it (the text itself if none fits)."""
+    kinds = _types(schema)
+    if not kinds and isinstance(schema, dict) and schema:  # typed another way ($ref...): JSON if it reads
+        kinds = ["object", "array"]
+    for kind in sorted(kinds, key=lambda k: k == "string"):  # string last: the fallback
+        if kind == "string":
+            return value
+        got = _as_type(value, kind)
+        if got is not _NOT_CONVERTED:
+            return got
+    return value
+
+
+def _properties(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties")
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def _call(block: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+    m = _FUNCTION.fullmatch(block.strip() + "\n")
+    if m is None:
+        return None
+    name, body = m.group(1).strip(), m.group(2)
+    props = _properties(tools, name)
+    args: dict[str, object] = {}
+    pos = 0
+    for p in _PARAMETER.finditer(body):
+        if p.start() != pos:  # text between parameters: not this format
+            return None
+        pos = p.end()
+        value = p.group(2)
+        # The template writes each value on its own lines: one newline each side is the format's.
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        key = p.group(1).strip()
+        args[key] = convert(value, props.get(key))
+    if body[pos:].strip():
+        return None
+    return ToolCall(name, arguments_json(args))
+
+
+class Qwen3XmlToolParser(MarkedToolParser):
+    name = "qwen3_xml"
+    START = "<tool_call>"
+
+    def extract(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[ToolCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        calls = []
+        try:
+            for m in _BLOCK.finditer(text, start):
+                call = _call(m.group(1), tools)
+                if call is None:  # a malformed call: the answer is text, as the model wrote it
+                    return text, []
+                calls.append(call)
+        except ValueError:  # arguments JSON cannot carry
+            return text, []
+        content = text[:start].strip()
+        return content or None, calls
+
+
+class Qwen3CoderToolParser(Qwen3XmlToolParser):
+    name = "qwen3_coder"  # vLLM's other name for the same format
