@@ -2,13 +2,16 @@
 in the prompt (as DeepSeek-R1's does): chat's reasoning_content, /v1/responses' reasoning items
 and /v1/messages' thinking blocks, plain and streamed, parsed by the official SDKs.
 
-The models' greedy outputs are not fixed text: each answer is checked against the parser's rule
-applied to the same output read raw from /v1/completions (the chat prompt's tokens as prompt).
+Each runs on the tiny model and on the default model (smollm2-135m-instruct, which closes the
+think tag and answers after two examples of the format). The greedy outputs are not fixed
+text: each answer is checked against the parser's rule applied to the same output read raw from
+/v1/completions (the chat prompt's tokens as prompt).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import anthropic
 import httpx
@@ -56,6 +59,36 @@ def server(tiny_llama, tmp_path_factory):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    srv = start_server("smollm2-135m-instruct", tmp_path_factory.mktemp("default"))
+    yield srv
+    srv.stop()
+
+
+# The default model, shown two answers in the think format, reasons, closes the tag and answers
+# (the tiny model's random text never closes it: all of it is reasoning).
+SHOTS = []
+for _country, _city in (("Italy", "Rome"), ("Spain", "Madrid")):
+    SHOTS.append({"role": "user", "content": f"What is the capital of {_country}?"})
+    SHOTS.append({"role": "assistant", "content": f"<think>\n{_country}'s capital city is {_city}.\n</think>\n{_city}"})
+DEFAULT_MESSAGES = [*SHOTS, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Served:
+    server: ServerProcess
+    messages: list[dict]
+    max_tokens: int
+
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def served(request) -> Served:
+    if request.param == "tiny":
+        return Served(request.getfixturevalue("server"), MESSAGES, MAX_TOKENS)
+    return Served(request.getfixturevalue("default_server"), DEFAULT_MESSAGES, 64)
+
+
 def client_of(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=300)
 
@@ -94,15 +127,18 @@ def check_chat(server, messages=MESSAGES, max_tokens=MAX_TOKENS) -> tuple[str, s
     return expected
 
 
-def test_chat_reasoning_content_plain_and_streamed(server):
-    reasoning, _ = check_chat(server)
-    assert reasoning  # the template opened the think section: the output starts as reasoning
+def test_chat_reasoning_content_plain_and_streamed(served):
+    reasoning, content = check_chat(served.server, served.messages, served.max_tokens)
+    assert reasoning.strip()  # the template opened the think section: the output starts as reasoning
+    if served.messages is DEFAULT_MESSAGES:
+        assert "Paris" in content
 
 
-def test_responses_reasoning_item(server):
+def test_responses_reasoning_item(served):
+    server = served.server
     client = client_of(server)
-    expected = expected_split(server)
-    kw = {"model": MODEL, "input": MESSAGES[0]["content"], "max_output_tokens": MAX_TOKENS, **GREEDY}
+    expected = expected_split(server, served.messages, served.max_tokens)
+    kw = {"model": MODEL, "input": served.messages, "max_output_tokens": served.max_tokens, **GREEDY}
     kw["reasoning"] = {"effort": "low", "summary": "auto"}  # accepted with a reasoning parser
     raw = client.responses.with_raw_response.create(**kw)
     Response.model_validate(raw.http_response.json())
@@ -134,13 +170,14 @@ def test_responses_reasoning_field_keeps_its_checks(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
 
 
-def test_messages_thinking_block(server):
+def test_messages_thinking_block(served):
+    server = served.server
     client = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
-    expected = expected_split(server)
+    expected = expected_split(server, served.messages, served.max_tokens)
     kw = {
         "model": MODEL,
-        "max_tokens": MAX_TOKENS,
-        "messages": MESSAGES,
+        "max_tokens": served.max_tokens,
+        "messages": served.messages,
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "extra_body": GREEDY,
     }
@@ -163,7 +200,7 @@ def test_messages_thinking_block(server):
     assert final.content[0].type == "thinking" and final.content[0].thinking == expected[0]
 
     # A thinking block sent back in the history is accepted (and left out of the prompt)
-    history = [*MESSAGES, {"role": "assistant", "content": message.model_dump()["content"]}]
+    history = [*served.messages, {"role": "assistant", "content": message.model_dump(exclude_none=True)["content"]}]
     history.append({"role": "user", "content": "And 9?"})
     again = client.messages.create(**{**kw, "messages": history})
     assert again.content and again.content[0].type in ("thinking", "text")
@@ -182,16 +219,3 @@ def test_structured_output_constrains_the_answer_only(server):
         assert json.loads(message.content)["ok"] in (True, False)
     else:
         assert message.reasoning_content and out.choices[0].finish_reason == "length"  # type: ignore[attr-defined]
-
-
-def test_default_model_through_a_thinking_template(tmp_path_factory):
-    """smollm2-135m-instruct, asked to reason and answer, through a template that opens <think>."""
-    srv = start_server("smollm2-135m-instruct", tmp_path_factory.mktemp("default"))
-    try:
-        messages = [
-            {"role": "system", "content": "Think inside <think></think>, then answer in one word."},
-            {"role": "user", "content": "What is the capital of France?"},
-        ]
-        check_chat(srv, messages, max_tokens=64)
-    finally:
-        srv.stop()
