@@ -162,6 +162,12 @@ def test_responses_reasoning_item(served):
         sdk_events = list(sdk_stream)
     assert sdk_events[-1].response.output[0].content[0].text == expected[0]
 
+    # The output items sent back as input, reasoning item included (as the Agents SDK does)
+    sent_back = [item.model_dump(exclude_none=True) for item in response.output]
+    next_input = [*served.messages, *sent_back, {"role": "user", "content": "And Germany?"}]
+    again = client.responses.create(**{**kw, "input": next_input})
+    assert again.output[0].type == "reasoning"
+
 
 def test_responses_reasoning_field_keeps_its_checks(server):
     r = httpx.post(

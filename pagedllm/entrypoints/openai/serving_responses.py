@@ -65,7 +65,7 @@ class OpenAIServingResponses:
                     code="previous_response_not_found",
                 )
             history = previous.conversation
-        conversation, chat_req = chat_request(req, history)
+        conversation, chat_req = chat_request(req, history, self.chat.reasoning_parser is not None)
         shell = ResponseShell(req, model, text_format(req.text))
         with responses_params():
             prep = await self.chat.prepare(chat_req)
