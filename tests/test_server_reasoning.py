@@ -169,6 +169,20 @@ def test_responses_reasoning_item(served):
     assert again.output[0].type == "reasoning"
 
 
+def test_responses_forced_tool_after_the_reasoning(server):
+    """A named tool_choice streams its call after the reasoning item, which opens once."""
+    tool = {"type": "function", "name": "answer", "parameters": {"type": "object", "properties": {}}}
+    kw = {"model": MODEL, "input": MESSAGES, "max_output_tokens": MAX_TOKENS, "tools": [tool], **GREEDY}
+    kw["tool_choice"] = {"type": "function", "name": "answer"}
+    with client_of(server).responses.with_streaming_response.create(stream=True, **kw) as streamed:
+        data = [json.loads(line[6:]) for line in streamed.http_response.iter_lines() if line.startswith("data: ")]
+    events = [RESPONSE_EVENTS.validate_python(d) for d in data]
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added[0] == "reasoning" and added.count("reasoning") == 1
+    final = events[-1].response
+    assert [item.type for item in final.output] == added
+
+
 def test_responses_reasoning_field_keeps_its_checks(server):
     r = httpx.post(
         server.url("/v1/responses"), json={"model": MODEL, "input": "hi", "reasoning": {"budget": 3}}, timeout=60

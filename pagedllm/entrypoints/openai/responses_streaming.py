@@ -91,6 +91,8 @@ class StreamedOutput:
         """The events for the output's text so far (``finished``: its final text)."""
         plan = self.plan
         if plan is not None and plan.mode == "named":
+            if self._reasoning is not None and len(text) == self.consumed and not finished:
+                return []  # the call's item opens once the reasoning has ended
             return self._arguments(text[self.consumed :])
         if finished or plan is None:
             shown = len(text)
