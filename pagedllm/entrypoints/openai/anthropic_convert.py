@@ -159,7 +159,9 @@ def _check_thinking(thinking: dict[str, Any] | None, reasoning: bool) -> None:
         raise APIError("thinking is not supported: this server has no reasoning parser.", param="thinking")
     budget = thinking.get("budget_tokens")
     if thinking.get("type") != "enabled" or set(thinking) - {"type", "budget_tokens"}:
-        raise APIError("thinking must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}.", "thinking")
+        raise APIError(
+            "thinking must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}.", param="thinking"
+        )
     if type(budget) is not int or budget < 1:
         raise APIError("thinking.budget_tokens must be a positive integer.", param="thinking")
 
