@@ -316,33 +316,14 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if not st.started:  # OpenAI's first chunk: the role, empty content
                         st.started = True
-                        yield chunk(
-                            [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                            **usage_null,
-                        )
+                        yield chunk([_delta_choice(c.index, {"role": "assistant", "content": ""})], **usage_null)
                     finish = c.finish_reason
                     parts = self.split(c.text, finish is not None)
                     thought = (parts.reasoning or "")[reasoning_sent.get(c.index, 0) :]
                     if thought:  # reasoning in deltas of its own, before any content
                         reasoning_sent[c.index] = len(parts.reasoning or "")
-                        yield chunk(
-                            [
-                                {
-                                    "index": c.index,
-                                    "delta": {"reasoning_content": thought, "reasoning": thought},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                            **usage_null,
-                        )
+                        reasoning = {"reasoning_content": thought, "reasoning": thought}
+                        yield chunk([_delta_choice(c.index, reasoning)], **usage_null)
                     text = parts.content
                     calls = []
                     if plan is None:
@@ -389,6 +370,11 @@ class OpenAIServingChat(OpenAIServing):
             yield sse("[DONE]")
         finally:
             abort_all(streams)
+
+
+def _delta_choice(index: int, delta: dict) -> dict:
+    """A streamed choice that carries only ``delta`` (no logprobs, not finished)."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def _message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
