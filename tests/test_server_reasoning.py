@@ -22,6 +22,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from test_server import ServerProcess
 from test_server_messages import check_event_order, raw_events
+from tiny_models import CHATML_TEMPLATE
 
 from pagedllm.entrypoints.openai.reasoning_parsers import reasoning_parser
 
@@ -38,16 +39,18 @@ RESPONSE_EVENTS = TypeAdapter(ResponseStreamEvent)
 GREEDY = {"temperature": 0}
 
 
-def start_server(model_dir: str, log_dir, *extra: str) -> ServerProcess:
+def start_server(
+    model_dir: str, log_dir, *extra: str, template: str = THINKING_TEMPLATE, parser: str = "deepseek_r1"
+) -> ServerProcess:
     return ServerProcess(
         model_dir,
         str(log_dir / "server.log"),
         "--served-model-name",
         MODEL,
         "--chat-template",
-        THINKING_TEMPLATE,
+        template,
         "--reasoning-parser",
-        "deepseek_r1",
+        parser,
         *extra,
     )
 
@@ -93,22 +96,21 @@ def client_of(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=300)
 
 
-def expected_split(server, messages=MESSAGES, max_tokens=MAX_TOKENS) -> tuple[str, str]:
+def expected_split(server, messages=MESSAGES, max_tokens=MAX_TOKENS, parser=PARSER) -> tuple[str, str]:
     """What the parser makes of the raw output of the chat prompt: (reasoning, content)."""
     tokens = httpx.post(server.url("/tokenize"), json={"model": MODEL, "messages": messages}, timeout=60).json()
     raw = client_of(server).completions.create(model=MODEL, prompt=tokens["tokens"], max_tokens=max_tokens, **GREEDY)
-    split = PARSER.split(raw.choices[0].text)
+    split = parser.split(raw.choices[0].text)
     return split.reasoning or "", split.content
 
 
-def check_chat(server, messages=MESSAGES, max_tokens=MAX_TOKENS) -> tuple[str, str]:
+def check_chat(server, messages=MESSAGES, max_tokens=MAX_TOKENS, parser=PARSER) -> tuple[str, str]:
     client = client_of(server)
-    expected = expected_split(server, messages, max_tokens)
+    expected = expected_split(server, messages, max_tokens, parser)
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, **GREEDY)
     message = plain.choices[0].message
     assert ((message.reasoning_content or ""), message.content or "") == expected  # type: ignore[attr-defined]
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]
-    assert "</think>" not in (message.content or "") and "<think>" not in expected[1][:7]
     chunks = list(
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, stream=True, **GREEDY)
     )
@@ -239,3 +241,15 @@ def test_structured_output_constrains_the_answer_only(server):
         assert json.loads(message.content)["ok"] in (True, False)
     else:
         assert message.reasoning_content and out.choices[0].finish_reason == "length"  # type: ignore[attr-defined]
+
+
+def test_qwen3_default_model_writes_its_own_think_tags(tmp_path_factory):
+    """qwen3: a plain ChatML template (nothing opened in the prompt); the default model, shown
+    the format, opens and closes the think section itself."""
+    log_dir = tmp_path_factory.mktemp("qwen3")
+    srv = start_server("smollm2-135m-instruct", log_dir, template=CHATML_TEMPLATE, parser="qwen3")
+    try:
+        reasoning, content = check_chat(srv, DEFAULT_MESSAGES, 64, reasoning_parser("qwen3"))
+        assert reasoning.strip() and "Paris" in content
+    finally:
+        srv.stop()
