@@ -128,6 +128,23 @@ def test_unsupported_input_is_a_400_naming_it(kw, named):
     assert named in anthropic_error_body(e.value)["error"]["message"]
 
 
+USER = [{"role": "user", "content": "x"}]
+
+
+def test_thinking_with_a_reasoning_parser():
+    thinking = {"type": "thinking", "thinking": "hm", "signature": ""}
+    history = [*USER, {"role": "assistant", "content": [thinking, {"type": "text", "text": "y"}]}, *USER]
+    t = to_chat_request(request(messages=history, thinking={"type": "enabled", "budget_tokens": 1024}), True)
+    assert [m.content for m in t.request.messages] == ["x", "y", "x"]  # the thinking is left out
+    for bad in ({"type": "enabled"}, {"type": "enabled", "budget_tokens": "9"}, {"type": "adaptive"}):
+        with pytest.raises(APIError) as e:
+            to_chat_request(request(messages=USER, thinking=bad), True)
+        assert e.value.param == "thinking"
+    with pytest.raises(APIError):  # a user's thinking block is still refused
+        to_chat_request(request(messages=[{"role": "user", "content": [thinking]}]), True)
+    assert finished_turn(None, "y", "stop", None, True).content() == [{"type": "text", "text": "y"}]
+
+
 def test_a_tool_input_too_deep_for_the_chat_request_is_a_400():
     deep: dict = {}
     for _ in range(26):  # within the Messages request's depth cap, beyond the chat request's

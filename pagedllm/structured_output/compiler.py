@@ -25,9 +25,9 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 
 def _digest(params: StructuredOutputsParams) -> bytes:
-    kind, value, compact = params.key()
+    kind, value, compact, prefix = params.key()
     h = hashlib.blake2b(digest_size=20)
-    h.update(f"{kind}\0{int(compact)}\0".encode())
+    h.update(f"{kind}\0{int(compact)}\0{prefix}\0".encode())
     h.update(value.encode("utf-8", "surrogatepass"))
     return h.digest()
 

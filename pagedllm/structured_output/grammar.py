@@ -43,6 +43,24 @@ class CompiledGrammar:
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of ``params``; ValueError if its JSON schema is not JSON."""
+    text = _constraint_text(params)
+    return text if params.reasoning_prefix is None else _after_prefix(params.reasoning_prefix, text)
+
+
+def _after_prefix(prefix: str, constraint: str) -> str:
+    """``constraint`` (an llguidance grammar: its JSON form or Lark text) as the grammar named
+    ``constrained`` that the Lark grammar ``prefix`` refers to after its free section."""
+    if constraint.lstrip().startswith("{"):
+        top = json.loads(constraint)
+    else:
+        top = {"grammars": [{"lark_grammar": constraint}]}
+    grammars = top["grammars"]
+    grammars[0]["name"] = "constrained"
+    top["grammars"] = [{"lark_grammar": prefix}, *grammars]
+    return json.dumps(top)
+
+
+def _constraint_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     options = _COMPACT_JSON_OPTIONS if params.disable_any_whitespace else _JSON_OPTIONS
     if kind == "json":

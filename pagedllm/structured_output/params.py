@@ -24,6 +24,10 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    # A Lark grammar (llguidance's) whose start rule lets a free section through before the
+    # constraint, which it names @constrained: a reasoning model's thinking, up to its end tag
+    # (entrypoints/openai/reasoning_parsers.py). None: the constraint applies from the first token.
+    reasoning_prefix: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -47,7 +51,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, str]:
         """A hashable identity of the constraint: equal keys compile to the same grammar."""
         kind = self.kind
         value = getattr(self, kind)
@@ -55,7 +59,7 @@ class StructuredOutputsParams:
             value = json.dumps(value, sort_keys=True)
         elif kind == "choice":
             value = json.dumps(value)
-        return kind, str(value), bool(self.disable_any_whitespace)
+        return kind, str(value), bool(self.disable_any_whitespace), self.reasoning_prefix or ""
 
 
 # vLLM's earlier name for the same parameters (SamplingParams.guided_decoding).

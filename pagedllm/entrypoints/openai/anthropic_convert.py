@@ -51,9 +51,11 @@ def _parse(model: type[_Block], data: Any, where: str) -> _Block:
         raise APIError(f"{loc}: {err['msg']}.", param=where.split(".")[0]) from None
 
 
-def _block_type(block: dict[str, Any], role: str, where: str) -> str:
+def _block_type(block: dict[str, Any], role: str, where: str, reasoning: bool) -> str:
     kind = block.get("type")
     if isinstance(kind, str) and kind in _BLOCKS[role]:
+        return kind
+    if kind in ("thinking", "redacted_thinking") and role == "assistant" and reasoning:
         return kind
     if kind in ("thinking", "redacted_thinking"):
         reason = "this server has no reasoning parser"
@@ -75,7 +77,7 @@ def _text_of(blocks: list[dict[str, Any]], where: str) -> str:
     return "\n".join(texts)
 
 
-def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+def _chat_messages(req: CountTokensRequest, reasoning: bool) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system is not None:
         system = req.system if isinstance(req.system, str) else _text_of(req.system, "system")
@@ -89,7 +91,11 @@ def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
         for j, block in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
-            kind = _block_type(block, m.role, where)
+            kind = _block_type(block, m.role, where, reasoning)
+            if kind in ("thinking", "redacted_thinking"):
+                # An earlier turn's thinking, sent back as Anthropic's clients do: chat templates
+                # of reasoning models leave earlier reasoning out of the prompt, so it is too.
+                continue
             if kind == "text":
                 texts.append(_parse(TextBlock, block, where).text)
             elif kind == "tool_use":
@@ -143,18 +149,33 @@ class ChatTranslation:
     stop_sequences: list[str] = field(default_factory=list)
 
 
-def to_chat_request(req: CountTokensRequest) -> ChatTranslation:
+def _check_thinking(thinking: dict[str, Any] | None, reasoning: bool) -> None:
+    """Anthropic's ``thinking``: "enabled" (with its budget_tokens) is accepted with a reasoning
+    parser and changes nothing (the model reasons as its chat template makes it); "disabled"
+    always."""
+    if thinking is None or thinking.get("type") == "disabled":
+        return
+    if not reasoning:
+        raise APIError("thinking is not supported: this server has no reasoning parser.", param="thinking")
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") != "enabled" or set(thinking) - {"type", "budget_tokens"}:
+        raise APIError(
+            "thinking must be {'type': 'enabled', 'budget_tokens': N} or {'type': 'disabled'}.", param="thinking"
+        )
+    if type(budget) is not int or budget < 1:
+        raise APIError("thinking.budget_tokens must be a positive integer.", param="thinking")
+
+
+def to_chat_request(req: CountTokensRequest, reasoning: bool = False) -> ChatTranslation:
     """The chat completion request a Messages (or count_tokens) request amounts to; 400s name the
     Messages field at fault. count_tokens' tool_choice is checked but steers nothing (the tools
-    reach the template whatever it is)."""
-    thinking = req.thinking
-    if thinking is not None and thinking.get("type") != "disabled":
-        raise APIError("thinking is not supported: this server has no reasoning parser.", param="thinking")
+    reach the template whatever it is). ``reasoning``: the server has a reasoning parser."""
+    _check_thinking(req.thinking, reasoning)
     choice = _parse(ToolChoice, req.tool_choice, "tool_choice") if req.tool_choice is not None else None
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _chat_messages(req),
+        "messages": _chat_messages(req, reasoning),
         "tools": _chat_tools(req.tools),
         "tool_choice": _chat_tool_choice(choice),
         "parallel_tool_calls": parallel,
@@ -188,9 +209,14 @@ class AssistantTurn:
     tool_uses: list[dict[str, Any]]  # {"type": "tool_use", "id", "name", "input"}
     stop_reason: str  # end_turn | max_tokens | stop_sequence | tool_use
     stop_sequence: str | None = None
+    thinking: str | None = None  # the reasoning, with a reasoning parser
 
     def content(self) -> list[dict[str, Any]]:
-        blocks: list[dict[str, Any]] = [{"type": "text", "text": self.text}] if self.text else []
+        # No signature: nothing here verifies thinking sent back (it is left out of the prompt)
+        blocks: list[dict[str, Any]] = (
+            [{"type": "thinking", "thinking": self.thinking, "signature": ""}] if self.thinking else []
+        )
+        blocks += [{"type": "text", "text": self.text}] if self.text else []
         return blocks + self.tool_uses
 
 

@@ -35,7 +35,7 @@ class _MessagesInput(_Request):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # only {"type": "disabled"}: no reasoning parser here
+    thinking: dict[str, Any] | None = None  # "enabled" needs --reasoning-parser (anthropic_convert.py)
     # Anthropic's automatic cache breakpoint: accepted and ignored, the prefix cache here is automatic
     cache_control: dict[str, Any] | None = None
 

@@ -1,15 +1,16 @@
 """A streamed /v1/messages answer: Anthropic's server-sent events, in its order.
 
 message_start (the message without content, usage with the prompt's counts), ping, then per
-content block content_block_start, its deltas (text_delta, or input_json_delta for a tool_use) and
-content_block_stop, then message_delta (stop_reason, stop_sequence, usage) and message_stop. A
-failure after the 200 is an ``error`` event in Anthropic's error shape.
+content block content_block_start, its deltas (thinking_delta then one signature_delta for a
+thinking block, text_delta for text, input_json_delta for a tool_use) and content_block_stop,
+then message_delta (stop_reason, stop_sequence, usage) and message_stop. A failure after the 200
+is an ``error`` event in Anthropic's error shape.
 
 message_start waits for the engine's first output: only then is it known how much of the prompt
-came from the prefix cache. Text is streamed as it is generated, except what the tool-call parser
-holds back (it may still become a call); a forced tool's arguments (tool_choice "tool") stream as
-input_json_delta as they are generated; other tool calls are known when the output ends, and
-each is sent whole, in one delta.
+came from the prefix cache. Text is streamed as it is generated, except what the tool-call
+parser holds back (it may still become a call); a forced tool's arguments (tool_choice "tool")
+stream as input_json_delta as they are generated; other tool calls are known when the output
+ends, and each is sent whole, in one delta.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from pagedllm.entrypoints.openai.anthropic_convert import (
     tool_use_id,
 )
 from pagedllm.entrypoints.openai.anthropic_errors import anthropic_error_body
-from pagedllm.entrypoints.openai.serving_chat import PreparedChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
 from pagedllm.entrypoints.openai.streaming import abort_all, merge_streams, sse
 
 
@@ -56,8 +56,10 @@ class _Blocks:
     def stop(self) -> list[str]:
         if self.kind is None:
             return []
+        # Anthropic ends a thinking block with its signature; this server signs nothing: empty
+        signature = [self.delta({"type": "signature_delta", "signature": ""})] if self.kind == "thinking" else []
         self.kind = None
-        return [event("content_block_stop", {"index": self.index})]
+        return [*signature, event("content_block_stop", {"index": self.index})]
 
     def tool_use(self, use: dict[str, Any]) -> list[str]:
         """A whole tool_use block: Anthropic's start (empty input), the input as one JSON delta, stop."""
@@ -79,7 +81,7 @@ def _content_end(text: str, content: str | None, sent: int) -> int:
 
 
 async def message_events(
-    serving: OpenAIServing,
+    serving: OpenAIServingChat,
     message_id: str,
     streams: list[OutputStream],
     prep: PreparedChat,
@@ -89,7 +91,8 @@ async def message_events(
     prompt_tokens = len(prep.prompt["prompt_token_ids"])
     forced_tool = plan is not None and plan.mode == "named"
     blocks = _Blocks()
-    sent = 0  # characters of the output already sent (as text, or as a forced tool's JSON)
+    sent = 0  # characters of the content already sent (as text, or as a forced tool's JSON)
+    thought = 0  # characters of the reasoning already sent
     cached = 0
     started = False
     try:
@@ -110,29 +113,38 @@ async def message_events(
                 yield event("message_start", {"message": message})
                 yield event("ping")
             finish = c.finish_reason
+            parts = serving.split(c.text, finish is not None)
+            text = parts.content
+            if parts.reasoning and len(parts.reasoning) > thought:
+                if blocks.kind != "thinking":
+                    for e in blocks.start({"type": "thinking", "thinking": "", "signature": ""}):
+                        yield e
+                yield blocks.delta({"type": "thinking_delta", "thinking": parts.reasoning[thought:]})
+                thought = len(parts.reasoning)
             turn: AssistantTurn | None = None
             if finish is not None:
-                turn = finished_turn(plan, c.text, finish, c.stop_reason, translation.parallel_tool_calls)
+                turn = finished_turn(plan, text, finish, c.stop_reason, translation.parallel_tool_calls)
             if forced_tool:
                 assert plan is not None
-                if blocks.kind is None and sent == 0:
+                # the tool's block opens once any reasoning has ended
+                if blocks.kind != "tool_use" and sent == 0 and (text or finish or parts.reasoning is None):
                     for e in blocks.start({"type": "tool_use", "id": tool_use_id(), "name": plan.named, "input": {}}):
                         yield e
-                if len(c.text) > sent:
-                    yield blocks.delta({"type": "input_json_delta", "partial_json": c.text[sent:]})
-                    sent = len(c.text)
+                if len(text) > sent:
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": text[sent:]})
+                    sent = len(text)
             else:
                 if turn is None:
-                    shown = len(c.text) if plan is None else plan.streamable_len(c.text)
+                    shown = len(text) if plan is None else plan.streamable_len(text)
                 elif turn.tool_uses:
-                    shown = _content_end(c.text, turn.text, sent)
+                    shown = _content_end(text, turn.text, sent)
                 else:
-                    shown = len(c.text)
+                    shown = len(text)
                 if shown > sent:
                     if blocks.kind != "text":
                         for e in blocks.start({"type": "text", "text": ""}):
                             yield e
-                    yield blocks.delta({"type": "text_delta", "text": c.text[sent:shown]})
+                    yield blocks.delta({"type": "text_delta", "text": text[sent:shown]})
                     sent = shown
             if turn is None:
                 continue

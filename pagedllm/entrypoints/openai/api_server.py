@@ -59,6 +59,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import reasoning_parser as make_reasoning_parser
 from pagedllm.entrypoints.openai.response_store import DEFAULT_STORE_SIZE, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -88,6 +89,7 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     responses_store_size: int = DEFAULT_STORE_SIZE,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app around a (not yet started) engine client (an AsyncLLMEngine, or the
     data-parallel replicas' client); the app's lifespan runs the engine.
@@ -95,7 +97,8 @@ def build_app(
     ``show_model_path``: /v1/models gives the model's folder as ``root`` (by default the served
     name: a local path tells clients about the server's file system). ``tool_call_parser`` /
     ``enable_auto_tool_choice``: how tool_choice "auto" reads calls from the model's text
-    (tool_parsers/). ``responses_store_size``: responses /v1/responses keeps (response_store.py)."""
+    (tool_parsers/). ``responses_store_size``: responses /v1/responses keeps (response_store.py).
+    ``reasoning_parser``: which part of the output is reasoning (reasoning_parsers.py)."""
     facts = engine.facts
     metrics = metrics or ServerMetrics(served_model_names[0], max_model_len=facts.max_model_len)
     if not metrics.cache_config:
@@ -123,6 +126,7 @@ def build_app(
     chat = OpenAIServingChat(*serving_args)
     chat.tool_parser = tool_parser(tool_call_parser) if tool_call_parser else None
     chat.enable_auto_tools = enable_auto_tool_choice
+    chat.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
     tokenization = OpenAIServingTokenization(chat)
     completions.on_request_params = chat.on_request_params = metrics.observe_params
     model_root = facts.model_path if show_model_path else served_model_names[0]
@@ -301,6 +305,7 @@ def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         responses_store_size=args.responses_store_size,
+        reasoning_parser=args.reasoning_parser,
     )
     if not loopback:
         logger.warning(

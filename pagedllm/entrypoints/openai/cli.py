@@ -14,6 +14,7 @@ import uvicorn  # noqa: F401, E402  isort: skip
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
+    from pagedllm.entrypoints.openai.reasoning_parsers import PARSERS as REASONING_PARSERS
     from pagedllm.entrypoints.openai.response_store import DEFAULT_STORE_SIZE
     from pagedllm.entrypoints.openai.tool_parsers import PARSERS
 
@@ -89,6 +90,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         choices=sorted(PARSERS),
         default=None,
         help="how tool calls are read from the model's text, in its chat template's format",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="how the model's reasoning (between its think tags) is told from its answer: returned as "
+        "reasoning_content (chat), reasoning items (/v1/responses) and thinking blocks (/v1/messages)",
     )
     p.add_argument(
         "--responses-store-size",

@@ -65,8 +65,9 @@ def _text(content: Any, i: int) -> str:
     return "\n".join(texts)
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a request's ``input`` (a string is one user message)."""
+def input_messages(items: str | list[dict[str, Any]], reasoning: bool = False) -> list[dict[str, Any]]:
+    """The chat messages of a request's ``input`` (a string is one user message). ``reasoning``:
+    the server has a reasoning parser, so reasoning items (earlier output sent back) are taken."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -85,6 +86,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", []), call]}
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning" and reasoning:
+            # chat templates of reasoning models leave earlier turns' reasoning out of the prompt
+            continue
         elif kind == "function_call_output":
             output = _text(item.get("output"), i)
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": output})
@@ -153,11 +157,13 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[list[dict], ChatCompletionRequest]:
+def chat_request(
+    req: ResponsesRequest, history: list[dict[str, Any]], reasoning: bool = False
+) -> tuple[list[dict], ChatCompletionRequest]:
     """(the conversation so far: ``history`` + this input, without instructions; the chat request
     that answers it). ``instructions`` lead as a system message, for this response only, as OpenAI
-    does not carry them over to the next response."""
-    conversation = [*history, *input_messages(req.input)]
+    does not carry them over to the next response. ``reasoning``: see input_messages."""
+    conversation = [*history, *input_messages(req.input, reasoning)]
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     fields = {
         "model": req.model,

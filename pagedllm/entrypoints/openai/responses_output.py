@@ -1,8 +1,10 @@
 """What /v1/responses returns: output items, usage and the response object, in OpenAI's shapes.
 
-A finished output is at most one ``message`` item (its text) followed by one ``function_call``
-item per tool call the chat path's tool plan found in the text (tool_calls.py). The same items,
-as chat messages, continue the conversation of a later ``previous_response_id``.
+A finished output is its reasoning as one ``reasoning`` item when the server has a reasoning
+parser and the output has reasoning (reasoning_parsers.py), then at most one ``message`` item
+(its text) followed by one ``function_call`` item per tool call the chat path's tool plan found
+in the text (tool_calls.py). The same items, as chat messages, continue the conversation of a
+later ``previous_response_id``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ def message_item(text: str | None, status: str, id: str | None = None) -> dict[s
     return {"id": id or item_id("msg"), "type": "message", "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(text: str | None, status: str, id: str | None = None) -> dict[str, Any]:
+    """A reasoning item: the model's reasoning as its content (no summary is written: ``summary``
+    stays empty); ``text`` None: the item as it opens."""
+    content = [] if text is None else [reasoning_part(text)]
+    return {"id": id or item_id("rs"), "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
 def function_call_item(call: ToolCall, status: str, id: str | None = None) -> dict[str, Any]:
     return {
         "id": id or item_id("fc"),
@@ -47,10 +60,12 @@ def function_call_item(call: ToolCall, status: str, id: str | None = None) -> di
     }
 
 
-def output_items(plan: ToolPlan | None, text: str, status: str) -> list[dict[str, Any]]:
-    """The items of a finished output's text: its content as a message, then its tool calls."""
+def output_items(plan: ToolPlan | None, text: str, status: str, reasoning: str | None = None) -> list[dict[str, Any]]:
+    """The items of a finished output: its ``reasoning``, its content (``text``, the output
+    after the reasoning) as a message, then its tool calls."""
     content, calls = plan.calls_of(text) if plan is not None else (text, [])
-    items = [message_item(content, status)] if content or not calls else []
+    items = [reasoning_item(reasoning, status)] if reasoning else []
+    items += [message_item(content, status)] if content or not calls else []
     return items + [function_call_item(c, status) for c in calls]
 
 
@@ -116,7 +131,7 @@ class ResponseShell:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": None,
+            "reasoning": req.reasoning,
             "store": req.store is not False,
             "temperature": req.temperature,
             "text": {"format": self.text_format},

@@ -1,10 +1,10 @@
 """The request body of OpenAI's Responses API (``POST /v1/responses``), checked field by field.
 
-As for the other endpoints (protocol.py): types are strict, unknown fields are a 400 naming them,
-and a field OpenAI defines that this server cannot honour (built-in tools, background runs,
-reasoning effort, prompt templates...) is a 400 naming it rather than ignored. The fields that
-only steer OpenAI's own service (user, service_tier, safety_identifier, prompt_cache_key) are
-accepted and change nothing, as on chat.
+As for the other endpoints (protocol.py): types are strict, unknown fields are a 400 naming
+them, and a field OpenAI defines that this server cannot honour (built-in tools, background
+runs, reasoning effort without a reasoning parser, prompt templates...) is a 400 naming it
+rather than ignored. The fields that only steer OpenAI's own service (user, service_tier,
+safety_identifier, prompt_cache_key) are accepted and change nothing, as on chat.
 
 ``input`` items, ``tools``, ``tool_choice`` and ``text`` are kept as JSON here and read by
 responses_input.py, whose errors name the item at fault.
@@ -54,13 +54,20 @@ class ResponsesRequest(_Request, SamplingFields):
     conversation: str | dict[str, Any] | None = None
 
 
-def _refusals(req: ResponsesRequest) -> list[tuple[str, bool, str]]:
+# OpenAI's reasoning options: accepted with a reasoning parser, where they change nothing (the
+# model reasons as its chat template makes it), and echoed on the response
+_REASONING_FIELDS = {"effort", "summary", "generate_summary"}
+
+
+def _refusals(req: ResponsesRequest, reasoning_parser: bool) -> list[tuple[str, bool, str]]:
     """(field, whether the request asks for what is not supported, why)."""
     reasoning = {k: v for k, v in (req.reasoning or {}).items() if v is not None}
+    unknown = sorted(set(reasoning) - _REASONING_FIELDS)
     return [
+        ("reasoning", bool(unknown), f"unknown field(s) {', '.join(unknown)}; effort and summary are accepted"),
         ("truncation", req.truncation not in (None, "disabled"), "only 'disabled' is supported"),
         ("background", bool(req.background), "background responses are not supported"),
-        ("reasoning", bool(reasoning), "this server has no reasoning parser for the model"),
+        ("reasoning", bool(reasoning) and not reasoning_parser, "this server has no reasoning parser for the model"),
         ("include", bool(req.include), "no extra output data (logprobs, encrypted reasoning) is available"),
         ("top_logprobs", bool(req.top_logprobs), "output logprobs are not supported on /v1/responses"),
         ("max_tool_calls", req.max_tool_calls is not None, "the server runs no tools itself"),
@@ -69,10 +76,11 @@ def _refusals(req: ResponsesRequest) -> list[tuple[str, bool, str]]:
     ]
 
 
-def check_supported(req: ResponsesRequest) -> None:
+def check_supported(req: ResponsesRequest, reasoning_parser: bool = False) -> None:
     """A 400 naming the first field the request sets that this server cannot honour, or
-    metadata over OpenAI's bounds (it is stored and echoed)."""
-    for field, asked, why in _refusals(req):
+    metadata over OpenAI's bounds (it is stored and echoed). ``reasoning_parser``: the server
+    has one, so ``reasoning`` is accepted."""
+    for field, asked, why in _refusals(req, reasoning_parser):
         if asked:
             raise APIError(f"'{field}' is not supported: {why}.", param=field)
     metadata = req.metadata or {}

@@ -1,6 +1,9 @@
 """A streamed /v1/responses answer: OpenAI's typed events, numbered in order.
 
-response.created, response.in_progress, then per output item: response.output_item.added, for a
+response.created, response.in_progress, then per output item (a reasoning item first, when the
+server has a reasoning parser: response.output_item.added, response.content_part.added,
+response.reasoning_text.delta..., response.reasoning_text.done, response.content_part.done,
+response.output_item.done): response.output_item.added, for a
 message response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done; for a function call response.function_call_arguments.delta...,
 response.function_call_arguments.done; then response.output_item.done; at the end
@@ -16,7 +19,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.entrypoints.openai.responses_output import function_call_item, message_item, text_part
+from pagedllm.entrypoints.openai.responses_output import (
+    function_call_item,
+    message_item,
+    reasoning_item,
+    reasoning_part,
+    text_part,
+)
 from pagedllm.entrypoints.openai.streaming import sse
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall
@@ -46,11 +55,44 @@ class StreamedOutput:
         self._text = ""
         self._call: dict[str, Any] | None = None  # the open function call item (named tool_choice)
         self._args = ""  # its arguments so far
+        self._reasoning: dict[str, Any] | None = None  # the open reasoning item
+        self._thought = ""  # its text so far
+
+    def reason(self, reasoning: str) -> list[str]:
+        """The events for the output's reasoning so far (it only grows, and ends before any
+        content: the item closes when the first content or call is sent)."""
+        delta = reasoning[len(self._thought) :]
+        if not delta:
+            return []
+        out = []
+        if self._reasoning is None:
+            self._reasoning = reasoning_item(None, "in_progress")
+            out.append(self.events("response.output_item.added", output_index=len(self.items), item=self._reasoning))
+            at = self._at(self._reasoning)
+            out.append(self.events("response.content_part.added", **at, content_index=0, part=reasoning_part("")))
+        self._thought += delta
+        at = self._at(self._reasoning)
+        out.append(self.events("response.reasoning_text.delta", **at, content_index=0, delta=delta))
+        return out
+
+    def _close_reasoning(self, status: str = "completed") -> list[str]:
+        if self._reasoning is None:
+            return []
+        item, text = self._reasoning, self._thought
+        self._reasoning = None
+        at = self._at(item)
+        return [
+            self.events("response.reasoning_text.done", **at, content_index=0, text=text),
+            self.events("response.content_part.done", **at, content_index=0, part=reasoning_part(text)),
+            self._item_done(reasoning_item(text, status, id=item["id"])),
+        ]
 
     def update(self, text: str, finished: bool) -> list[str]:
         """The events for the output's text so far (``finished``: its final text)."""
         plan = self.plan
         if plan is not None and plan.mode == "named":
+            if self._reasoning is not None and len(text) == self.consumed and not finished:
+                return []  # the call's item opens once the reasoning has ended
             return self._arguments(text[self.consumed :])
         if finished or plan is None:
             shown = len(text)
@@ -64,7 +106,7 @@ class StreamedOutput:
 
     def finish(self, text: str, status: str) -> list[str]:
         """The closing events of every open item and the tool calls of the final ``text``."""
-        out = self._close_message(status)
+        out = self._close_reasoning(status) + self._close_message(status)
         if self._call is not None:
             call = self._call
             self._call = None
@@ -75,7 +117,8 @@ class StreamedOutput:
         calls = self.plan.calls_of(text)[1] if self.plan is not None else []
         for call in calls:
             out.extend(self._whole_call(call, status))
-        if not self.items:  # an empty answer is still one (empty) message, as without streaming
+        if all(it["type"] == "reasoning" for it in self.items):  # an empty answer is still one (empty)
+            # message, as without streaming
             out.extend(self._text_delta(""))
             out.extend(self._close_message(status))
         return out
@@ -89,7 +132,7 @@ class StreamedOutput:
         return event
 
     def _text_delta(self, delta: str) -> list[str]:
-        out = []
+        out = self._close_reasoning()
         if self._message is None:
             self._message = message_item(None, "in_progress")
             self._text = ""
@@ -118,7 +161,7 @@ class StreamedOutput:
 
     def _arguments(self, delta: str) -> list[str]:
         """A named tool_choice's call: its arguments as the model writes them."""
-        out = []
+        out = self._close_reasoning()
         if self._call is None:
             self._call = function_call_item(ToolCall(self.plan.named, ""), "in_progress")  # type: ignore[union-attr, arg-type]
             out.append(self.events("response.output_item.added", output_index=len(self.items), item=dict(self._call)))
@@ -131,10 +174,11 @@ class StreamedOutput:
 
     def _whole_call(self, call: ToolCall, status: str) -> list[str]:
         """A call known only once the output is finished: its events at once."""
+        out = self._close_reasoning(status)
         item = function_call_item(call, status)
         opened = {**item, "status": "in_progress", "arguments": ""}
         at = self._at(item)
-        return [
+        return out + [
             self.events("response.output_item.added", output_index=len(self.items), item=opened),
             self.events("response.function_call_arguments.delta", **at, delta=call.arguments),
             self.events("response.function_call_arguments.done", **at, arguments=call.arguments),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplit
 from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
 from pagedllm.entrypoints.openai.sampling import to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -96,6 +98,14 @@ class OpenAIServingChat(OpenAIServing):
     # Set by build_app: how tool_choice "auto" finds the calls in the model's text.
     tool_parser: ToolParser | None = None
     enable_auto_tools: bool = False
+    # Set by build_app (--reasoning-parser): which part of the output is reasoning.
+    reasoning_parser: ReasoningParser | None = None
+
+    def split(self, text: str, finished: bool = True) -> ReasoningSplit:
+        """An output's reasoning and content (all content without a reasoning parser)."""
+        if self.reasoning_parser is None:
+            return ReasoningSplit(None, text)
+        return self.reasoning_parser.split(text, finished)
 
     def _constraint(
         self, req: ChatCompletionRequest
@@ -114,6 +124,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             constraint, field = plan.constraint, "tools"
             check_constraint_size(constraint, field, self.limits)
+        if constraint is not None and self.reasoning_parser is not None:  # constrain only the answer
+            constraint = dataclasses.replace(constraint, reasoning_prefix=self.reasoning_parser.grammar_prefix)
         return plan, constraint, field
 
     async def prepare(self, req: ChatCompletionRequest, continue_final_message: bool = False) -> PreparedChat:
@@ -186,7 +198,10 @@ class OpenAIServingChat(OpenAIServing):
             lp = None
             if logprobs is not None and c.logprobs is not None:
                 lp = {"content": self._logprobs(c.token_ids, c.logprobs, top)}
-            message, finish_reason = _message(plan, c.text, c.finish_reason)
+            parts = self.split(c.text)
+            message, finish_reason = _message(plan, parts.content, c.finish_reason)
+            if self.reasoning_parser is not None:  # vLLM's field, and its newer name
+                message["reasoning_content"] = message["reasoning"] = parts.reasoning
             choices.append(
                 {
                     "index": rank,
@@ -293,6 +308,7 @@ class OpenAIServingChat(OpenAIServing):
         chunk = chunk_writer(request_id, "chat.completion.chunk", created, model)
 
         cached_tokens = 0  # set at admission, so by the first output
+        reasoning_sent: dict[int, int] = {}  # per choice: characters of reasoning sent
         try:
             async for _, out in merge_streams(streams):
                 cached_tokens = out.num_cached_tokens
@@ -302,28 +318,25 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if not st.started:  # OpenAI's first chunk: the role, empty content
                         st.started = True
-                        yield chunk(
-                            [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                            **usage_null,
-                        )
+                        yield chunk([_delta_choice(c.index, {"role": "assistant", "content": ""})], **usage_null)
                     finish = c.finish_reason
+                    parts = self.split(c.text, finish is not None)
+                    thought = (parts.reasoning or "")[reasoning_sent.get(c.index, 0) :]
+                    if thought:  # reasoning in deltas of its own, before any content
+                        reasoning_sent[c.index] = len(parts.reasoning or "")
+                        reasoning = {"reasoning_content": thought, "reasoning": thought}
+                        yield chunk([_delta_choice(c.index, reasoning)], **usage_null)
+                    text = parts.content
                     calls = []
                     if plan is None:
-                        shown = len(c.text)
+                        shown = len(text)
                     elif finish is None:  # text that may still become a tool call is held back
-                        shown = plan.streamable_len(c.text)
+                        shown = plan.streamable_len(text)
                     else:
-                        _, calls = plan.calls_of(c.text)
+                        _, calls = plan.calls_of(text)
                         # With calls: the text before them, which the last outputs may have brought.
-                        shown = plan.streamable_len(c.text) if calls else len(c.text)
-                    delta = c.text[st.text_len : max(shown, st.text_len)]
+                        shown = plan.streamable_len(text) if calls else len(text)
+                    delta = text[st.text_len : max(shown, st.text_len)]
                     new_ids = c.token_ids[st.num_tokens :]
                     lp_new = want_lp and c.logprobs is not None and bool(new_ids)
                     if not delta and finish is None and not lp_new:
@@ -360,6 +373,11 @@ class OpenAIServingChat(OpenAIServing):
             yield sse("[DONE]")
         finally:
             abort_all(streams)
+
+
+def _delta_choice(index: int, delta: dict) -> dict:
+    """A streamed choice that carries only ``delta`` (no logprobs, not finished)."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def _message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:

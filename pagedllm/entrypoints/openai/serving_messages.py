@@ -37,7 +37,7 @@ class ServingMessages:
 
     async def create_message(self, req: MessagesRequest, raw_request: Request) -> Response:
         arrival = time.monotonic()
-        translation = to_chat_request(req)
+        translation = to_chat_request(req, self.chat.reasoning_parser is not None)
         prep = await self.chat.prepare(translation.request, continue_final_message=translation.continue_final_message)
         message_id = f"msg_{uuid.uuid4().hex}"
         streams = await self.chat.add_requests(message_id, [prep.prompt], prep.params, arrival, prep.constraint_field)
@@ -49,7 +49,9 @@ class ServingMessages:
         except ClientDisconnected:
             return anthropic_error_response(APIError("Client disconnected.", 499))
         c = out.outputs[0]
-        turn = finished_turn(prep.plan, c.text, c.finish_reason, c.stop_reason, translation.parallel_tool_calls)
+        parts = self.chat.split(c.text)
+        turn = finished_turn(prep.plan, parts.content, c.finish_reason, c.stop_reason, translation.parallel_tool_calls)
+        turn.thinking = parts.reasoning
         body = {
             "id": message_id,
             "type": "message",
@@ -64,7 +66,7 @@ class ServingMessages:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         """The prompt's tokens as /v1/messages would render them, through the same checks."""
-        translation = to_chat_request(req)
+        translation = to_chat_request(req, self.chat.reasoning_parser is not None)
         prep = await self.chat.prepare(translation.request, continue_final_message=translation.continue_final_message)
         return {"input_tokens": len(prep.prompt["prompt_token_ids"])}
 

@@ -53,7 +53,7 @@ class OpenAIServingResponses:
     async def create(self, req: ResponsesRequest, raw_request: Request) -> Response:
         arrival = time.monotonic()
         model = self.chat.check_model(req.model)
-        check_supported(req)
+        check_supported(req, self.chat.reasoning_parser is not None)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id)
@@ -65,7 +65,7 @@ class OpenAIServingResponses:
                     code="previous_response_not_found",
                 )
             history = previous.conversation
-        conversation, chat_req = chat_request(req, history)
+        conversation, chat_req = chat_request(req, history, self.chat.reasoning_parser is not None)
         shell = ResponseShell(req, model, text_format(req.text))
         with responses_params():
             prep = await self.chat.prepare(chat_req)
@@ -80,7 +80,8 @@ class OpenAIServingResponses:
             return JSONResponse(APIError("Client disconnected.", 499).to_dict(), status_code=499)
         c = out.outputs[0]
         status = status_of(c.finish_reason)
-        items = output_items(plan, c.text, status)
+        parts = self.chat.split(c.text)
+        items = output_items(plan, parts.content, status, parts.reasoning)
         body = shell.response(status, items, usage(n_prompt, len(c.token_ids), cached_tokens(out)))
         self._keep(req, body, conversation, items)
         return await self.chat.json_response(lambda: body)
@@ -107,12 +108,15 @@ class OpenAIServingResponses:
             async for _, out in merge_streams(streams):
                 c = out.outputs[0]
                 finished = c.finish_reason is not None
-                for event in output.update(c.text, finished):
+                parts = self.chat.split(c.text, finished)
+                for event in output.reason(parts.reasoning or ""):
+                    yield event
+                for event in output.update(parts.content, finished):
                     yield event
                 if not finished:
                     continue
                 status = status_of(c.finish_reason)
-                for event in output.finish(c.text, status):
+                for event in output.finish(parts.content, status):
                     yield event
                 body = shell.response(status, output.items, usage(n_prompt, len(c.token_ids), cached_tokens(out)))
                 self._keep(shell.req, body, conversation, output.items)
