@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -123,11 +125,21 @@ class ServerProcess:
         self._log.close()
 
 
+@contextmanager
+def served(model_dir: str, tmp_path_factory, *extra_args: str, **kwargs) -> Iterator[ServerProcess]:
+    """A ServerProcess logging into a fresh temporary folder, stopped on leaving (module fixtures)."""
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("server") / "server.log"), *extra_args, **kwargs)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(
+    with served(
         tiny_llama,
-        str(tmp_path_factory.mktemp("server") / "server.log"),
+        tmp_path_factory,
         "--api-key",
         f"{API_KEY},{SECOND_KEY}",
         "--api-key",
@@ -135,9 +147,8 @@ def server(tiny_llama, tmp_path_factory):
         "--served-model-name",
         MODEL_NAME,
         "extra-alias",
-    )
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_server import ServerProcess
+from test_server import ServerProcess, served
 
 MODEL = "tiny"
 BLOCK_SIZE = 16  # the engine's default
@@ -27,9 +27,8 @@ HITS = re.compile(rf'^pagedllm:prefix_cache_hits_total\{{model_name="{MODEL}"\}}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(tiny_llama, str(tmp_path_factory.mktemp("server") / "server.log"), "--served-model-name", MODEL)
-    yield srv
-    srv.stop()
+    with served(tiny_llama, tmp_path_factory, "--served-model-name", MODEL) as srv:
+        yield srv
 
 
 def prefix_cache_hits(server) -> int:

@@ -18,7 +18,7 @@ import json
 import httpx
 import openai
 import pytest
-from test_server import ServerProcess
+from test_server import served
 from test_server_faults import fault_env
 from test_structured_limits import words
 
@@ -39,16 +39,15 @@ FAIL_TOP = 7  # fault_server: formatting 7 top logprobs raises
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(
+    with served(
         tiny_llama,
-        str(tmp_path_factory.mktemp("server") / "server.log"),
+        tmp_path_factory,
         "--served-model-name",
         MODEL,
         module="fault_server",
         env=fault_env(PAGEDLLM_TEST_FAIL_TOP_LOGPROBS=str(FAIL_TOP)),
-    )
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

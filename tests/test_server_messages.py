@@ -18,7 +18,7 @@ import openai
 import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from test_server import ServerProcess
+from test_server import served
 
 MODEL = "tiny"
 KEY = "sk-messages-test"
@@ -49,9 +49,9 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(
+    with served(
         tiny_llama,
-        str(tmp_path_factory.mktemp("server") / "server.log"),
+        tmp_path_factory,
         "--served-model-name",
         MODEL,
         "--num-kv-blocks",
@@ -63,9 +63,8 @@ def server(tiny_llama, tmp_path_factory):
         "hermes",
         "--max-request-body-bytes",
         "200000",
-    )
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from test_server import ServerProcess
+from test_server import served
 
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_input import input_messages
@@ -64,9 +64,9 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(
+    with served(
         tiny_llama,
-        str(tmp_path_factory.mktemp("server") / "server.log"),
+        tmp_path_factory,
         "--served-model-name",
         MODEL,
         "--num-kv-blocks",
@@ -75,9 +75,8 @@ def server(tiny_llama, tmp_path_factory):
         str(STORE_SIZE),
         "--max-messages",
         str(MAX_MESSAGES),
-    )
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

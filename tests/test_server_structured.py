@@ -14,7 +14,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from test_server import ServerProcess
+from test_server import ServerProcess, served
 from test_structured_outputs import random_schema
 
 from pagedllm.entrypoints.openai.tool_calls import plan_tools, template_messages
@@ -58,9 +58,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(
+    with served(
         tiny_llama,
-        str(tmp_path_factory.mktemp("server") / "server.log"),
+        tmp_path_factory,
         "--served-model-name",
         MODEL,
         "--num-kv-blocks",
@@ -68,9 +68,8 @@ def server(tiny_llama, tmp_path_factory):
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
-    )
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

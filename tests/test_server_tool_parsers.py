@@ -9,7 +9,7 @@ import json
 
 import openai
 import pytest
-from test_server import ServerProcess
+from test_server import served
 from test_server_structured import TIME, WEATHER, chat_stream_text
 
 MODEL = "tiny"
@@ -27,17 +27,16 @@ CALLS = [("get_time", {"zone": 2}), ("get_weather", {"city": "Zürich", "unit": 
 
 @pytest.fixture(scope="module", params=sorted(WRITTEN))
 def parser_client(request, tiny_llama, tmp_path_factory):
-    srv = ServerProcess(
+    with served(
         tiny_llama,
-        str(tmp_path_factory.mktemp("server") / "server.log"),
+        tmp_path_factory,
         "--served-model-name",
         MODEL,
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         request.param,
-    )
-    yield request.param, openai.OpenAI(base_url=srv.url("/v1"), api_key="none", max_retries=0, timeout=120)
-    srv.stop()
+    ) as srv:
+        yield request.param, openai.OpenAI(base_url=srv.url("/v1"), api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("stream", [False, True])
