@@ -229,22 +229,27 @@ def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
 Q8_0_LOGPROB_TOLERANCE = 2e-3
 
 
-def _greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+def _greedy(llm: LLM, logprobs: int = 0) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    if logprobs:  # each step's top logprobs, best first
+        return [
+            (c.token_ids, [sorted((e.logprob for e in lp.values()), reverse=True) for lp in c.logprobs])
+            for c in (o.outputs[0] for o in outs)
+        ]
     return [
         (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
         for c in (o.outputs[0] for o in outs)
     ]
 
 
-def _tp1_and_tp2(path: str) -> tuple[list, list]:
+def _tp1_and_tp2(path: str, logprobs: int = 0) -> tuple[list, list]:
     kwargs = dict(model=path, dtype="float32", num_kv_blocks=64, quantization="gguf", num_threads=1)
-    tp1 = _greedy(LLM(**kwargs))
+    tp1 = _greedy(LLM(**kwargs), logprobs)
     llm = LLM(tensor_parallel_size=2, **kwargs)
     try:
         assert llm.llm_engine.model.tensor_parallel_size == 2
-        return tp1, _greedy(llm)
+        return tp1, _greedy(llm, logprobs)
     finally:
         _shutdown(llm)
 
@@ -258,7 +263,17 @@ def test_tp2_f32_gguf_equals_tp1_and_transformers(f32_files, hf_greedy, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_q8_0_gguf_blocks_equal_tp1(hf_dirs, tmp_path, family):
     path = write_gguf(hf_dirs[family], str(tmp_path / f"{family}_q8_0.gguf"), {})  # every matrix Q8_0
-    tp1, tp2 = _tp1_and_tp2(path)
-    for (toks, lps), (ref_toks, ref_lps) in zip(tp2, tp1, strict=True):
-        assert toks == ref_toks
-        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < Q8_0_LOGPROB_TOLERANCE
+    tp1, tp2 = _tp1_and_tp2(path, logprobs=2)
+    # Row-parallel layers sum each rank's half of K and all-reduce: float sums in another order,
+    # so logprobs move by up to ~1e-4 and a step whose top two TP=1 logprobs are closer than that
+    # may go either way (the llama file has one: 1.1e-5 apart, flipped where AVX512 rounds).
+    # Tokens must agree up to such a near-tie; most steps get compared.
+    compared = 0
+    for (toks, tops), (ref_toks, ref_tops) in zip(tp2, tp1, strict=True):
+        for tok, ref_tok, top, ref_top in zip(toks, ref_toks, tops, ref_tops, strict=True):
+            if tok != ref_tok:
+                assert ref_top[0] - ref_top[1] < Q8_0_LOGPROB_TOLERANCE, f"diverged without a near-tie: {ref_top}"
+                break
+            assert abs(top[0] - ref_top[0]) < Q8_0_LOGPROB_TOLERANCE
+            compared += 1
+    assert compared >= len(PROMPTS) * NEW_TOKENS // 2
