@@ -215,6 +215,11 @@ class OpenAIServing:
         with _DECODE_LOCK:
             return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def decode_kept(self, token_ids: list[int]) -> str:
+        """The tokens' text, special tokens kept (under the decode lock, as token_str)."""
+        with _DECODE_LOCK:
+            return self.decode_tokenizer.decode(token_ids, skip_special_tokens=False)
+
     async def json_response(self, build: Callable[..., dict], *args: Any) -> Response:
         """``build(*args)`` as a JSON response, built and encoded in a worker thread: a response
         with logprobs can hold megabytes, which on the event loop would stall every other request."""
