@@ -110,17 +110,11 @@ class OpenAIServingChat(OpenAIServing):
 
     def reasoning_tokens(self, text: str, token_ids: list[int]) -> int:
         """The output's tokens of its reasoning section (0 without a reasoning parser)."""
-        decode = self.decode_tokenizer.decode
-        return reasoning_tokens(
-            self.reasoning_parser, text, token_ids, lambda ids: decode(ids, skip_special_tokens=False)
-        )
+        return reasoning_tokens(self.reasoning_parser, text, token_ids, self.decode_kept)
 
-    def chat_usage(self, prompt_tokens: int, completion_tokens: int, cached: int, reasoning: int) -> dict:
-        """OpenAI's usage; with a reasoning parser, how many completion tokens were reasoning."""
-        usage = self.usage(prompt_tokens, completion_tokens, cached)
-        if self.reasoning_parser is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
-        return usage
+    def thought(self, reasoning: int) -> int | None:
+        """Chat's usage counts reasoning tokens only with a reasoning parser (as vLLM)."""
+        return reasoning if self.reasoning_parser is not None else None
 
     def _constraint(
         self, req: ChatCompletionRequest
@@ -233,7 +227,9 @@ class OpenAIServingChat(OpenAIServing):
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": self.chat_usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens, thinking),
+            "usage": self.usage(
+                len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens, self.thought(thinking)
+            ),
         }
         if req.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
@@ -378,7 +374,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk([choice], **usage_null)
             if req.include_usage:
                 n_prompt, n_thought = len(prompt["prompt_token_ids"]), sum(thinking.values())
-                usage = self.chat_usage(n_prompt, sum(completion_tokens.values()), cached_tokens, n_thought)
+                usage = self.usage(n_prompt, sum(completion_tokens.values()), cached_tokens, self.thought(n_thought))
                 yield chunk([], usage=usage)
             yield sse("[DONE]")
         except Exception as e:  # after the 200: an error event and [DONE], never a cut stream

@@ -323,17 +323,21 @@ class OpenAIServing:
         return result
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning: int | None = None) -> dict:
         """OpenAI's usage. ``cached_tokens``: the prompt tokens the engine took from its prefix
         cache (RequestOutput.num_cached_tokens), always given, 0 on a miss or without prefix
         caching, as OpenAI's API does (vLLM only with --enable-prompt-tokens-details, and only
-        when not 0)."""
-        return {
+        when not 0). ``reasoning``: the completion tokens of its reasoning section, given with a
+        reasoning parser (completion_tokens_details.reasoning_tokens)."""
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
+        if reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     @staticmethod
     def stream_error(e: Exception) -> str:
