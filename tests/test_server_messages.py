@@ -312,3 +312,23 @@ def test_other_errors_in_anthropic_shape(server, client):
         client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [{"type": "image"}]}])
     assert e.value.body["type"] == "error"
     assert server.wait_idle()["num_requests_running"] == 0
+
+
+def test_blocks_as_the_sdk_dumps_them_are_accepted(client):
+    """Clients send the answer's blocks back as the SDK dumps them: null citations, caller..."""
+    from anthropic.types import TextBlock, ToolUseBlock
+
+    text = TextBlock(type="text", text="Let me check.")
+    use = ToolUseBlock(type="tool_use", id="toolu_1", name="get_weather", input={"city": "Paris", "unit": "c"})
+    assert text.model_dump()["citations"] is None  # what is being sent
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C", "cache_control": None}
+
+    def turns(blocks: list[dict]) -> list[dict]:
+        return [*USER, {"role": "assistant", "content": blocks}, {"role": "user", "content": [result]}]
+
+    plain = [{"type": "text", "text": text.text}, {k: getattr(use, k) for k in ("type", "id", "name", "input")}]
+    n = client.messages.count_tokens(model=MODEL, tools=TOOLS, messages=turns(plain)).input_tokens
+    dumped = turns([text.model_dump(), use.model_dump()])
+    assert client.messages.count_tokens(model=MODEL, tools=TOOLS, messages=dumped).input_tokens == n
+    msg = create(client, max_tokens=2, tools=TOOLS, messages=dumped)
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == n

@@ -136,6 +136,37 @@ def test_chat_reasoning_content_plain_and_streamed(served):
         assert "Paris" in content
 
 
+def expected_reasoning_tokens(server, messages, max_tokens) -> int:
+    """The raw output's tokens up to and including the one that completes the end of think tag."""
+    tokens = httpx.post(server.url("/tokenize"), json={"model": MODEL, "messages": messages}, timeout=60).json()
+    kw = {"model": MODEL, "prompt": tokens["tokens"], "max_tokens": max_tokens, "logprobs": 0, **GREEDY}
+    pieces = client_of(server).completions.create(**kw).choices[0].logprobs.tokens
+    for i in range(len(pieces)):
+        if "</think>" in "".join(pieces[: i + 1]):
+            return i + 1
+    return len(pieces)  # still thinking when cut off: all of it
+
+
+def test_reasoning_tokens_are_counted(served):
+    client = client_of(served.server)
+    expected = expected_reasoning_tokens(served.server, served.messages, served.max_tokens)
+    kw = {"model": MODEL, "messages": served.messages, "max_tokens": served.max_tokens, **GREEDY}
+    plain = client.chat.completions.create(**kw)
+    assert plain.usage.completion_tokens_details.reasoning_tokens == expected
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
+    rkw = {"model": MODEL, "input": served.messages, "max_output_tokens": served.max_tokens, **GREEDY}
+    response = client.responses.create(**rkw)
+    assert response.usage.output_tokens_details.reasoning_tokens == expected
+    with client.responses.stream(**rkw) as stream:  # completed, or incomplete when cut off
+        final = list(stream)[-1].response
+    assert final.usage.output_tokens_details.reasoning_tokens == expected
+    if served.messages is DEFAULT_MESSAGES:  # closed the tag, then answered
+        assert 0 < expected < response.usage.output_tokens
+    else:  # the tiny model never closes it
+        assert expected == response.usage.output_tokens
+
+
 def test_responses_reasoning_item(served):
     server = served.server
     client = client_of(server)

@@ -15,6 +15,8 @@ from test_server_structured import TIME, WEATHER, chat_stream_text
 MODEL = "tiny"
 CONTENT = "Let me check."
 WRITTEN = {  # what a model using each format writes: the text, then two calls
+    "hermes": CONTENT + '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}\n</tool_call>',
     "mistral": CONTENT + '[TOOL_CALLS]get_time[ARGS]{"zone": 2}[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", '
     '"unit": "c"}',
     "pythonic": '[get_time(zone=2), get_weather(city="Zürich", unit="c")]',
@@ -63,3 +65,29 @@ def test_the_formats_calls_come_back_as_tool_calls(parser_client, stream):
     assert got == CALLS and finish == "tool_calls"
     if name == "mistral":  # ids its chat templates accept back
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+
+
+def test_streamed_calls_open_then_their_arguments_grow(parser_client):
+    """OpenAI's (and vLLM's) stream: a call's first delta has its index, id, type and name with
+    no arguments; the arguments follow in fragments (several, for formats of JSON arguments)."""
+    name, client = parser_client
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Time and weather in Zürich?"}],
+        tools=[TIME, WEATHER],
+        tool_choice="auto",
+        max_tokens=400,
+        stream=True,
+        extra_body={"structured_outputs": {"choice": [WRITTEN[name]]}},
+    )
+    deltas = [tc for chunk in stream for ch in chunk.choices for tc in ch.delta.tool_calls or []]
+    for index, (fn, _) in enumerate(CALLS):
+        mine = [d for d in deltas if d.index == index]
+        first, rest = mine[0], mine[1:]
+        assert first.id and first.type == "function" and first.function.name == fn
+        assert first.function.arguments == ""
+        assert all(d.id is None and d.function.name is None for d in rest)
+        fragments = [d.function.arguments for d in rest]
+        assert json.loads("".join(fragments)) == CALLS[index][1]
+        if name in ("hermes", "mistral"):
+            assert len(fragments) > 2

@@ -58,10 +58,13 @@ class MessagesRequest(_MessagesInput):
 # ---- content blocks, tools, tool_choice: validated one at a time (anthropic_convert.py) ---------
 # cache_control (Anthropic's explicit cache breakpoints) is accepted on each and ignored: the
 # prefix cache here is automatic, and the cache hits show as usage.cache_read_input_tokens.
+# The fields the anthropic SDK's response blocks carry, which clients send back as they dump them
+# (``block.model_dump()``: citations, caller, toolset_name, null when unused), are accepted too.
 class TextBlock(AnthropicModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
+    citations: list[dict[str, Any]] | None = None  # the text's sources: the prompt gets the text only
 
 
 class ToolUseBlock(AnthropicModel):
@@ -70,6 +73,8 @@ class ToolUseBlock(AnthropicModel):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    caller: dict[str, Any] | None = None  # who called the tool (a server tool): informational
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(AnthropicModel):
@@ -78,6 +83,7 @@ class ToolResultBlock(AnthropicModel):
     content: str | list[dict[str, Any]] = ""
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class ToolDefinition(AnthropicModel):

@@ -8,20 +8,19 @@ is an ``error`` event in Anthropic's error shape.
 
 message_start waits for the engine's first output: only then is it known how much of the prompt
 came from the prefix cache. Text is streamed as it is generated, except what the tool-call
-parser holds back (it may still become a call); a forced tool's arguments (tool_choice "tool")
-stream as input_json_delta as they are generated; other tool calls are known when the output
-ends, and each is sent whole, in one delta.
+parser holds back (it may still become a call); a tool_use block opens when its call's name is
+known, and its input streams as input_json_delta fragments as the model writes it (a forced
+tool's, and JSON arguments of the auto parsers), or in one delta where the format allows no less
+(tool_streaming.py).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.client import OutputStream
 from pagedllm.entrypoints.openai.anthropic_convert import (
-    AssistantTurn,
     ChatTranslation,
     finished_turn,
     messages_usage,
@@ -30,6 +29,7 @@ from pagedllm.entrypoints.openai.anthropic_convert import (
 from pagedllm.entrypoints.openai.anthropic_errors import anthropic_error_body
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
 from pagedllm.entrypoints.openai.streaming import abort_all, merge_streams, sse
+from pagedllm.entrypoints.openai.tool_streaming import ToolCallStream
 
 
 def event(kind: str, data: dict[str, Any] | None = None) -> str:
@@ -61,24 +61,6 @@ class _Blocks:
         self.kind = None
         return [*signature, event("content_block_stop", {"index": self.index})]
 
-    def tool_use(self, use: dict[str, Any]) -> list[str]:
-        """A whole tool_use block: Anthropic's start (empty input), the input as one JSON delta, stop."""
-        start = self.start({**use, "input": {}})
-        json_delta = self.delta({"type": "input_json_delta", "partial_json": _json(use["input"])})
-        return [*start, json_delta, *self.stop()]
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _content_end(text: str, content: str | None, sent: int) -> int:
-    """Where the content of a text that held tool calls ends (the parser strips it), at least ``sent``."""
-    if not content:
-        return sent
-    start = text.find(content)
-    return max(sent, start + len(content)) if start >= 0 else sent
-
 
 async def message_events(
     serving: OpenAIServingChat,
@@ -89,9 +71,8 @@ async def message_events(
 ) -> AsyncIterator[str]:
     plan = prep.plan
     prompt_tokens = len(prep.prompt["prompt_token_ids"])
-    forced_tool = plan is not None and plan.mode == "named"
+    tools = ToolCallStream(plan)  # the text's content and tool calls, as they grow
     blocks = _Blocks()
-    sent = 0  # characters of the content already sent (as text, or as a forced tool's JSON)
     thought = 0  # characters of the reasoning already sent
     cached = 0
     started = False
@@ -121,38 +102,25 @@ async def message_events(
                         yield e
                 yield blocks.delta({"type": "thinking_delta", "thinking": parts.reasoning[thought:]})
                 thought = len(parts.reasoning)
-            turn: AssistantTurn | None = None
-            if finish is not None:
-                turn = finished_turn(plan, text, finish, c.stop_reason, translation.parallel_tool_calls)
-            if forced_tool:
-                assert plan is not None
-                # the tool's block opens once any reasoning has ended
-                if blocks.kind != "tool_use" and sent == 0 and (text or finish or parts.reasoning is None):
-                    for e in blocks.start({"type": "tool_use", "id": tool_use_id(), "name": plan.named, "input": {}}):
+            step = tools.update(text, finish is not None)
+            if step.content:
+                if blocks.kind != "text":
+                    for e in blocks.start({"type": "text", "text": ""}):
                         yield e
-                if len(text) > sent:
-                    yield blocks.delta({"type": "input_json_delta", "partial_json": text[sent:]})
-                    sent = len(text)
-            else:
-                if turn is None:
-                    shown = len(text) if plan is None else plan.streamable_len(text)
-                elif turn.tool_uses:
-                    shown = _content_end(text, turn.text, sent)
+                yield blocks.delta({"type": "text_delta", "text": step.content})
+            for d in step.calls:
+                if d.index > 0 and not translation.parallel_tool_calls:
+                    continue  # one call only: the others are dropped, as without streaming
+                if d.name is not None:  # Anthropic's start: the block with an empty input
+                    for e in blocks.start({"type": "tool_use", "id": tool_use_id(), "name": d.name, "input": {}}):
+                        yield e
                 else:
-                    shown = len(text)
-                if shown > sent:
-                    if blocks.kind != "text":
-                        for e in blocks.start({"type": "text", "text": ""}):
-                            yield e
-                    yield blocks.delta({"type": "text_delta", "text": text[sent:shown]})
-                    sent = shown
-            if turn is None:
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": d.arguments})
+            if finish is None:
                 continue
+            turn = finished_turn(plan, text, finish, c.stop_reason, translation.parallel_tool_calls)
             for e in blocks.stop():
                 yield e
-            for use in [] if forced_tool else turn.tool_uses:
-                for e in blocks.tool_use(use):
-                    yield e
             yield event(
                 "message_delta",
                 {

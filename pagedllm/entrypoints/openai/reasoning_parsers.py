@@ -16,6 +16,7 @@ are the new characters of each part.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -101,3 +102,24 @@ def reasoning_parser(name: str) -> ReasoningParser:
         return PARSERS[name]()
     except KeyError:
         raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(sorted(PARSERS))}") from None
+
+
+def reasoning_tokens(
+    parser: ReasoningParser | None, text: str, token_ids: list[int], decode: Callable[[list[int]], str]
+) -> int:
+    """How many of an output's generated tokens are its reasoning section (OpenAI's
+    ``reasoning_tokens``): those up to and including the one that completes ``</think>``, all of
+    them when the output ended while thinking, none without a reasoning section. ``decode``: the
+    tokenizer's, special tokens kept (a think tag may be one)."""
+    if parser is None or parser.split(text).reasoning is None:
+        return 0
+    if THINK_END not in text:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # the first prefix whose text holds the tag: prefixes' texts only grow
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_END in decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -89,14 +89,15 @@ def cached_tokens(out: RequestOutput | None) -> int:
     return out.num_cached_tokens if out is not None else 0
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
+def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
+    """``reasoning``: the output tokens of its reasoning section (the end of think tag included)."""
     return {
         "input_tokens": input_tokens,
         # cache_write_tokens counts OpenAI's retained cache writes (with a TTL): none here, the
         # prefix cache keeps blocks only while memory allows
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": input_tokens + output_tokens,
     }
 

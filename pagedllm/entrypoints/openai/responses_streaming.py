@@ -9,10 +9,11 @@ response.content_part.done; for a function call response.function_call_arguments
 response.function_call_arguments.done; then response.output_item.done; at the end
 response.completed (response.incomplete when cut by max_output_tokens) with the whole response.
 
-How much of the text is sent as it grows follows the chat path's tool plan: all of it without
-tools; under tool_choice "auto" what cannot still become a call; under a named tool_choice the
-text is that call's arguments, sent as argument deltas as they are generated; under "required"
-the calls are sent when the output is finished (the text is a JSON list of them until then).
+How much of the text is sent as it grows, and when a call's item opens and its arguments
+stream, follows the chat path's tool plan through tool_streaming.py: all of the text without
+tools; under tool_choice "auto" the text that cannot still become a call, then each call (its
+item opens with its name; argument deltas as the model writes them, or whole where the format
+allows no less); under a named or "required" tool_choice the calls' arguments as written.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagedllm.entrypoints.openai.responses_output import (
 from pagedllm.entrypoints.openai.streaming import sse
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall
+from pagedllm.entrypoints.openai.tool_streaming import ToolCallStream
 
 
 class ResponseEvents:
@@ -50,11 +52,10 @@ class StreamedOutput:
         self.events = events
         self.plan = plan
         self.items: list[dict[str, Any]] = []  # the finished items, in output order
-        self.consumed = 0  # characters of the output's text already sent (or held as a call's)
+        self.tools = ToolCallStream(plan)  # the text's content and tool calls, as they grow
         self._message: dict[str, Any] | None = None  # the open message item
         self._text = ""
-        self._call: dict[str, Any] | None = None  # the open function call item (named tool_choice)
-        self._args = ""  # its arguments so far
+        self._call: dict[str, Any] | None = None  # the open function call item
         self._reasoning: dict[str, Any] | None = None  # the open reasoning item
         self._thought = ""  # its text so far
 
@@ -89,34 +90,18 @@ class StreamedOutput:
 
     def update(self, text: str, finished: bool) -> list[str]:
         """The events for the output's text so far (``finished``: its final text)."""
-        plan = self.plan
-        if plan is not None and plan.mode == "named":
-            if self._reasoning is not None and len(text) == self.consumed and not finished:
-                return []  # the call's item opens once the reasoning has ended
-            return self._arguments(text[self.consumed :])
-        if finished or plan is None:
-            shown = len(text)
-        else:
-            shown = plan.streamable_len(text)
-        if finished and plan is not None and plan.calls_of(text)[1]:
-            shown = plan.streamable_len(text)  # the text before the calls; the rest is the calls
-        delta = text[self.consumed : max(shown, self.consumed)]
-        self.consumed = max(shown, self.consumed)
-        return self._text_delta(delta) if delta else []
+        step = self.tools.update(text, finished)
+        out = self._text_delta(step.content) if step.content else []
+        for d in step.calls:
+            if d.name is not None:
+                out.extend(self._open_call(ToolCall(d.name, "", d.id)))
+            else:
+                out.extend(self._arguments(d.arguments))
+        return out
 
-    def finish(self, text: str, status: str) -> list[str]:
-        """The closing events of every open item and the tool calls of the final ``text``."""
-        out = self._close_reasoning(status) + self._close_message(status)
-        if self._call is not None:
-            call = self._call
-            self._call = None
-            call["status"] = status
-            out.append(self.events("response.function_call_arguments.done", **self._at(call), arguments=self._args))
-            out.append(self._item_done(call))
-            return out
-        calls = self.plan.calls_of(text)[1] if self.plan is not None else []
-        for call in calls:
-            out.extend(self._whole_call(call, status))
+    def finish(self, status: str) -> list[str]:
+        """The closing events of every open item (after ``update`` with the final text)."""
+        out = self._close_reasoning(status) + self._close_message(status) + self._close_call(status)
         if all(it["type"] == "reasoning" for it in self.items):  # an empty answer is still one (empty)
             # message, as without streaming
             out.extend(self._text_delta(""))
@@ -132,7 +117,7 @@ class StreamedOutput:
         return event
 
     def _text_delta(self, delta: str) -> list[str]:
-        out = self._close_reasoning()
+        out = self._close_reasoning() + self._close_call("completed")
         if self._message is None:
             self._message = message_item(None, "in_progress")
             self._text = ""
@@ -159,28 +144,23 @@ class StreamedOutput:
             self._item_done(done),
         ]
 
-    def _arguments(self, delta: str) -> list[str]:
-        """A named tool_choice's call: its arguments as the model writes them."""
-        out = self._close_reasoning()
-        if self._call is None:
-            self._call = function_call_item(ToolCall(self.plan.named, ""), "in_progress")  # type: ignore[union-attr, arg-type]
-            out.append(self.events("response.output_item.added", output_index=len(self.items), item=dict(self._call)))
-        if delta:
-            self.consumed += len(delta)
-            self._args += delta
-            self._call["arguments"] = self._args
-            out.append(self.events("response.function_call_arguments.delta", **self._at(self._call), delta=delta))
+    def _open_call(self, call: ToolCall) -> list[str]:
+        """A function call item, opened when its name is known; the items before it close."""
+        out = self._close_reasoning() + self._close_message("completed") + self._close_call("completed")
+        self._call = function_call_item(call, "in_progress")
+        out.append(self.events("response.output_item.added", output_index=len(self.items), item=dict(self._call)))
         return out
 
-    def _whole_call(self, call: ToolCall, status: str) -> list[str]:
-        """A call known only once the output is finished: its events at once."""
-        out = self._close_reasoning(status)
-        item = function_call_item(call, status)
-        opened = {**item, "status": "in_progress", "arguments": ""}
-        at = self._at(item)
-        return out + [
-            self.events("response.output_item.added", output_index=len(self.items), item=opened),
-            self.events("response.function_call_arguments.delta", **at, delta=call.arguments),
-            self.events("response.function_call_arguments.done", **at, arguments=call.arguments),
-            self._item_done(item),
-        ]
+    def _arguments(self, delta: str) -> list[str]:
+        """More of the open call's arguments, as the model writes them."""
+        assert self._call is not None
+        self._call["arguments"] += delta
+        return [self.events("response.function_call_arguments.delta", **self._at(self._call), delta=delta)]
+
+    def _close_call(self, status: str) -> list[str]:
+        if self._call is None:
+            return []
+        call, self._call = self._call, None
+        call["status"] = status
+        done = self.events("response.function_call_arguments.done", **self._at(call), arguments=call["arguments"])
+        return [done, self._item_done(call)]

@@ -17,7 +17,7 @@ from pagedllm.engine.client import OutputStream
 from pagedllm.engine.intake import truncate_prompt
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplit
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningSplit, reasoning_tokens
 from pagedllm.entrypoints.openai.response_budget import PromptResponse, check_prompt_response
 from pagedllm.entrypoints.openai.sampling import to_sampling_params
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.streaming import (
 from pagedllm.entrypoints.openai.structured import check_constraint_size, structured_outputs_of
 from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.openai.tool_streaming import ToolCallStream
 from pagedllm.logprobs import Logprob
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
@@ -106,6 +107,14 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is None:
             return ReasoningSplit(None, text)
         return self.reasoning_parser.split(text, finished)
+
+    def reasoning_tokens(self, text: str, token_ids: list[int]) -> int:
+        """The output's tokens of its reasoning section (0 without a reasoning parser)."""
+        return reasoning_tokens(self.reasoning_parser, text, token_ids, self.decode_kept)
+
+    def thought(self, reasoning: int) -> int | None:
+        """Chat's usage counts reasoning tokens only with a reasoning parser (as vLLM)."""
+        return reasoning if self.reasoning_parser is not None else None
 
     def _constraint(
         self, req: ChatCompletionRequest
@@ -192,9 +201,10 @@ class OpenAIServingChat(OpenAIServing):
             (out,) = await self.collect(streams, raw_request)
         except ClientDisconnected:
             return JSONResponse(APIError("Client disconnected.", 499).to_dict(), status_code=499)
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, thinking = [], 0, 0
         for rank, c in enumerate(out.outputs):  # engine order (best first for best_of): choices 0..n-1
             completion_tokens += len(c.token_ids)
+            thinking += self.reasoning_tokens(c.text, c.token_ids)
             lp = None
             if logprobs is not None and c.logprobs is not None:
                 lp = {"content": self._logprobs(c.token_ids, c.logprobs, top)}
@@ -217,7 +227,9 @@ class OpenAIServingChat(OpenAIServing):
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": self.usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+            "usage": self.usage(
+                len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens, self.thought(thinking)
+            ),
         }
         if req.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(out, self.num_top(req.prompt_logprobs))
@@ -301,6 +313,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         states: dict[int, _ChoiceState] = {}
         completion_tokens: dict[int, int] = {}
+        thinking: dict[int, int] = {}  # per choice: its reasoning tokens
         usage_null = {"usage": None} if req.include_usage else {}
         want_lp = bool(req.logprobs)
         top = self.num_top(req.top_logprobs or 0)
@@ -309,6 +322,7 @@ class OpenAIServingChat(OpenAIServing):
 
         cached_tokens = 0  # set at admission, so by the first output
         reasoning_sent: dict[int, int] = {}  # per choice: characters of reasoning sent
+        tool_streams: dict[int, ToolCallStream] = {}  # per choice: its content and tool calls
         try:
             async for _, out in merge_streams(streams):
                 cached_tokens = out.num_cached_tokens
@@ -326,33 +340,26 @@ class OpenAIServingChat(OpenAIServing):
                         reasoning_sent[c.index] = len(parts.reasoning or "")
                         reasoning = {"reasoning_content": thought, "reasoning": thought}
                         yield chunk([_delta_choice(c.index, reasoning)], **usage_null)
-                    text = parts.content
-                    calls = []
-                    if plan is None:
-                        shown = len(text)
-                    elif finish is None:  # text that may still become a tool call is held back
-                        shown = plan.streamable_len(text)
-                    else:
-                        _, calls = plan.calls_of(text)
-                        # With calls: the text before them, which the last outputs may have brought.
-                        shown = plan.streamable_len(text) if calls else len(text)
-                    delta = text[st.text_len : max(shown, st.text_len)]
+                    tcs = tool_streams.setdefault(c.index, ToolCallStream(plan))
+                    step = tcs.update(parts.content, finish is not None)
+                    delta = step.content
                     new_ids = c.token_ids[st.num_tokens :]
                     lp_new = want_lp and c.logprobs is not None and bool(new_ids)
-                    if not delta and finish is None and not lp_new:
+                    if not delta and not step.calls and finish is None and not lp_new:
                         continue
                     lp = {"content": self._logprobs(new_ids, c.logprobs[st.num_tokens :], top)} if lp_new else None
-                    st.text_len = max(st.text_len, shown)
                     st.num_tokens = len(c.token_ids)
-                    if calls:  # the calls in one delta each, whole, before the finishing chunk
-                        tool_delta = {"tool_calls": [call.to_openai(i) for i, call in enumerate(calls)]}
-                        yield chunk(
-                            [{"index": c.index, "delta": tool_delta, "logprobs": lp, "finish_reason": None}],
-                            **usage_null,
-                        )
+                    if step.calls and delta:  # the text before the calls goes first
+                        yield chunk([{**_delta_choice(c.index, {"content": delta}), "logprobs": lp}], **usage_null)
+                        delta, lp = "", None
+                    for d in step.calls:  # a call opens (id, name), then its arguments as they grow
+                        tool_delta = {"tool_calls": [d.to_openai()]}
+                        yield chunk([{**_delta_choice(c.index, tool_delta), "logprobs": lp}], **usage_null)
                         lp = None
-                        if finish == "stop":
-                            finish = "tool_calls"
+                    if finish == "stop" and tcs.has_calls:
+                        finish = "tool_calls"
+                    if finish is None and not delta and not lp:
+                        continue
                     choice = {
                         "index": c.index,
                         "delta": {"content": delta} if delta else {},
@@ -363,9 +370,11 @@ class OpenAIServingChat(OpenAIServing):
                         choice["stop_reason"] = c.stop_reason
                         st.finished = True
                         completion_tokens[c.index] = len(c.token_ids)
+                        thinking[c.index] = self.reasoning_tokens(c.text, c.token_ids)
                     yield chunk([choice], **usage_null)
             if req.include_usage:
-                usage = self.usage(len(prompt["prompt_token_ids"]), sum(completion_tokens.values()), cached_tokens)
+                n_prompt, n_thought = len(prompt["prompt_token_ids"]), sum(thinking.values())
+                usage = self.usage(n_prompt, sum(completion_tokens.values()), cached_tokens, self.thought(n_thought))
                 yield chunk([], usage=usage)
             yield sse("[DONE]")
         except Exception as e:  # after the 200: an error event and [DONE], never a cut stream

@@ -215,6 +215,11 @@ class OpenAIServing:
         with _DECODE_LOCK:
             return self.decode_tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def decode_kept(self, token_ids: list[int]) -> str:
+        """The tokens' text, special tokens kept (under the decode lock, as token_str)."""
+        with _DECODE_LOCK:
+            return self.decode_tokenizer.decode(token_ids, skip_special_tokens=False)
+
     async def json_response(self, build: Callable[..., dict], *args: Any) -> Response:
         """``build(*args)`` as a JSON response, built and encoded in a worker thread: a response
         with logprobs can hold megabytes, which on the event loop would stall every other request."""
@@ -318,17 +323,21 @@ class OpenAIServing:
         return result
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning: int | None = None) -> dict:
         """OpenAI's usage. ``cached_tokens``: the prompt tokens the engine took from its prefix
         cache (RequestOutput.num_cached_tokens), always given, 0 on a miss or without prefix
         caching, as OpenAI's API does (vLLM only with --enable-prompt-tokens-details, and only
-        when not 0)."""
-        return {
+        when not 0). ``reasoning``: the completion tokens of its reasoning section, given with a
+        reasoning parser (completion_tokens_details.reasoning_tokens)."""
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
+        if reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     @staticmethod
     def stream_error(e: Exception) -> str:

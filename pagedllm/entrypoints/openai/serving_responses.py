@@ -82,7 +82,11 @@ class OpenAIServingResponses:
         status = status_of(c.finish_reason)
         parts = self.chat.split(c.text)
         items = output_items(plan, parts.content, status, parts.reasoning)
-        body = shell.response(status, items, usage(n_prompt, len(c.token_ids), cached_tokens(out)))
+        body = shell.response(
+            status,
+            items,
+            usage(n_prompt, len(c.token_ids), cached_tokens(out), self.chat.reasoning_tokens(c.text, c.token_ids)),
+        )
         self._keep(req, body, conversation, items)
         return await self.chat.json_response(lambda: body)
 
@@ -116,9 +120,15 @@ class OpenAIServingResponses:
                 if not finished:
                     continue
                 status = status_of(c.finish_reason)
-                for event in output.finish(parts.content, status):
+                for event in output.finish(status):
                     yield event
-                body = shell.response(status, output.items, usage(n_prompt, len(c.token_ids), cached_tokens(out)))
+                body = shell.response(
+                    status,
+                    output.items,
+                    usage(
+                        n_prompt, len(c.token_ids), cached_tokens(out), self.chat.reasoning_tokens(c.text, c.token_ids)
+                    ),
+                )
                 self._keep(shell.req, body, conversation, output.items)
                 yield events("response.completed" if status == "completed" else "response.incomplete", response=body)
                 return

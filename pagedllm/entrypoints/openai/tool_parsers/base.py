@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.tool_parsers.partial import PartialCall
 
 
 @dataclass
@@ -69,11 +72,12 @@ def held_back(text: str, marker: str) -> int:
 class ToolParser:
     """A model's raw text -> (content, tool calls), in the format its chat template teaches it.
 
-    Streaming contract (serving_chat.py, responses_streaming.py, anthropic_streaming.py): while
-    the text grows, its first ``streamable_len(text)`` characters are sent as content; when it is
-    finished, ``extract`` decides: with calls, the calls are sent whole and nothing more of the
-    text; without, the rest of the text follows as content. So ``streamable_len`` of any prefix
-    never reaches past where the calls begin, and never shrinks as the text grows."""
+    Streaming contract (tool_streaming.py): while the text grows, its first
+    ``streamable_len(text)`` characters are sent as content, and the calls ``partial_calls(text)``
+    has begun are sent as they grow; when it is finished, ``extract`` decides: the calls not sent
+    yet, and the rest of each call's arguments, follow; without calls the rest of the text follows
+    as content. So ``streamable_len`` of any prefix never reaches past where the calls begin, and
+    neither it nor what ``partial_calls`` finds changes as the text grows, but by growing."""
 
     name = ""
     # The format's markers are special tokens (Mistral's [TOOL_CALLS]): the output must keep them.
@@ -88,6 +92,15 @@ class ToolParser:
     def streamable_len(self, text: str) -> int:
         """How many leading characters of a partial ``text`` are content whatever follows."""
         raise NotImplementedError
+
+    def partial_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[PartialCall]:
+        """The calls a partial ``text`` has begun, in order (partial.py). By default none: the
+        calls are sent when the output is finished."""
+        return []
+
+    def call_id(self) -> str:
+        """A new call's id, in the form the format's chat templates accept back."""
+        return ToolCall("", "").id
 
 
 class MarkedToolParser(ToolParser):

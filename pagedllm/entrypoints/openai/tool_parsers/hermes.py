@@ -7,6 +7,10 @@ import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.base import MarkedToolParser, ToolCall, call_of, loads
+from pagedllm.entrypoints.openai.tool_parsers.partial import PartialCall, header, object_calls
+
+_HEADER = header("arguments")
+_NEVER = re.compile(r"(?!)")  # one call object per block
 
 
 class HermesToolParser(MarkedToolParser):
@@ -29,3 +33,13 @@ class HermesToolParser(MarkedToolParser):
             calls.append(call)
         content = text[:start].strip()
         return content or None, calls
+
+    def partial_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        start = text.find(self.START)
+        while start >= 0:
+            end = object_calls(text, start + len(self.START), _HEADER, _NEVER, calls)
+            if end is None:  # this block's call has not begun, or is not in this form
+                break
+            start = text.find(self.START, end)
+        return calls

@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.base import JSON_ERRORS, ToolCall, WholeAnswerToolParser, call_of
+from pagedllm.entrypoints.openai.tool_parsers.partial import PartialCall, header, object_calls
+
+_HEADER = header("parameters|arguments")
+_BETWEEN = re.compile(r"\s*\}\s*;?\s*(?=\{)")
 
 
 class Llama3JsonToolParser(WholeAnswerToolParser):
@@ -39,3 +44,11 @@ class Llama3JsonToolParser(WholeAnswerToolParser):
                 return text, []
             pos = len(body) - len(rest)
         return None, calls
+
+    def partial_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[PartialCall]:
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG) :]
+        calls: list[PartialCall] = []
+        object_calls(text, len(text) - len(body), _HEADER, _BETWEEN, calls)
+        return calls

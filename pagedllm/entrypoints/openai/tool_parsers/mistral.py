@@ -24,10 +24,14 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     arguments_json,
     call_of,
 )
+from pagedllm.entrypoints.openai.tool_parsers.partial import PartialCall, header, json_end, object_calls
 
 _ID_CHARS = string.ascii_letters + string.digits
 # name, optional [CALL_ID]id, optional [ARGS], then the arguments object.
 _NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?(?:\[ARGS\])?\s*(?=\{)")
+_LIST = re.compile(r"\s*\[(?=\s*\{)")
+_HEADER = header("arguments")
+_BETWEEN = re.compile(r"\s*\}\s*,\s*(?=\{)")
 
 
 def mistral_call_id() -> str:
@@ -90,3 +94,23 @@ class MistralToolParser(MarkedToolParser):
             calls.extend(found)
         content = text[:start].strip()
         return content or None, calls
+
+    def partial_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        start = text.find(self.START)
+        while start >= 0:
+            pos = start + len(self.START)
+            m = _NAMED.match(text, pos)
+            if m is not None:
+                calls.append(PartialCall(m.group(1), args_at=m.end(), call_id=m.group(2)))
+                end = json_end(text, m.end())
+            else:
+                listed = _LIST.match(text, pos)
+                end = object_calls(text, listed.end() if listed else pos, _HEADER, _BETWEEN, calls)
+            if end is None:  # the last call is still being written (or not in a form streamed)
+                break
+            start = text.find(self.START, end)
+        return calls
+
+    def call_id(self) -> str:
+        return mistral_call_id()

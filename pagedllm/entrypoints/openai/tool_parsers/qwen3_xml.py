@@ -27,11 +27,13 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     arguments_json,
     loads,
 )
+from pagedllm.entrypoints.openai.tool_parsers.partial import PartialCall
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*|$)", re.S)
 # A parameter ends at its closing tag, or (the tag left out) where the next one or the end begins.
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
 _NOT_CONVERTED = object()
 _JSON_TYPE = {bool: "boolean", int: "integer", float: "number", type(None): "null", dict: "object", list: "array"}
 
@@ -131,7 +133,7 @@ def _call(block: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
 
 class Qwen3XmlToolParser(MarkedToolParser):
     name = "qwen3_xml"
-    START = "<tool_call>"
+    START, END = "<tool_call>", "</tool_call>"
 
     def extract(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[ToolCall]]:
         start = text.find(self.START)
@@ -148,6 +150,29 @@ class Qwen3XmlToolParser(MarkedToolParser):
             return text, []
         content = text[:start].strip()
         return content or None, calls
+
+    def partial_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[PartialCall]:
+        """A call opens at its function's name; its typed arguments come whole when it closes."""
+        calls: list[PartialCall] = []
+        start = text.find(self.START)
+        while start >= 0:
+            body = start + len(self.START)
+            m = _FUNCTION_OPEN.match(text, body)
+            if m is None:
+                break
+            end = text.find(self.END, m.end())
+            if end < 0:
+                calls.append(PartialCall(m.group(1).strip()))
+                break
+            try:
+                call = _call(text[body:end], tools)
+            except ValueError:
+                call = None
+            if call is None:  # malformed: the finished text decides
+                break
+            calls.append(PartialCall(call.name, arguments=call.arguments))
+            start = text.find(self.START, end)
+        return calls
 
 
 class Qwen3CoderToolParser(Qwen3XmlToolParser):
