@@ -377,7 +377,7 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   const int64_t group_bytes = ilv::kRows * w.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (quant_gemm_nibble_panels(xp, M, K, wp, N, qtype, yp)) return y;
+  if (quant_gemm_interleaved_panels(xp, M, K, wp, N, qtype, yp)) return y;
   auto run = [&](auto format, const auto& act) {  // format: the GGUF type, as a compile-time constant
     at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
       ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
