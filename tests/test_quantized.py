@@ -180,14 +180,16 @@ def test_interleaving_permutes_the_file_bytes(kernels, qtype):
 @pytest.mark.parametrize("fine_scales", [False, True], ids=["per32", "per16"])
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: t.name)
 def test_interleaved_rows_do_not_depend_on_the_call(kernels, qtype, fine_scales):
-    """As below, for the interleaved kernel (micro-kernels of 1-4 rows, groups split over threads)."""
+    """As below, for the interleaved kernel (micro-kernels of 1-4 rows, groups split over threads;
+    from 12 rows on AVX512-VNNI, panels of 16 rows with the groups decoded once, and a last
+    panel filled with zeros)."""
     if fine_scales and qtype not in FINE_SCALES:
         pytest.skip("no fine input scales for this format")
     w, _ = make_weight(qtype, 40, 256, seed=3)
     p, code = (fine if fine_scales else interleaved)(kernels, w, qtype)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(4))
     full = kernels.quant_gemm(x, p, code)
-    for start, count in ((0, 1), (5, 1), (299, 1), (3, 2), (10, 3), (20, 7), (100, 64)):
+    for start, count in ((0, 1), (5, 1), (299, 1), (3, 2), (10, 3), (20, 7), (37, 11), (37, 12), (50, 16), (100, 64)):
         part = kernels.quant_gemm(x[start : start + count], p, code)
         assert torch.equal(part, full[start : start + count]), (start, count)
 

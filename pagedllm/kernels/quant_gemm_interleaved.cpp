@@ -38,12 +38,12 @@
 #include <cstring>
 #include <type_traits>
 
+PAGEDLLM_EXACT_FLOAT_BEGIN
+
 // Named inside the anonymous namespace: the kernel-build test compiles every kernel file as one
 // unit, where quant_gemm.cpp's helpers of the same names live.
 namespace {
 namespace ilv {
-
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, kQ4K = 12, kQ6K = 14 };
 
 // A GGUF block: `fields` fp16 values (d; Q4_1 / Q5_1: d, m), `qh` bytes of fifth bits (Q5_x), then
 // `qs` bytes, regrouped in runs of `run`.
@@ -92,17 +92,6 @@ void permute_row(uint8_t* row, int64_t r, int64_t nb, const Layout& l, uint8_t* 
       move(dst + qs + kRows * l.run * c + l.run * r, src + 2 * l.fields + l.qh + l.run * c, l.run);
   }
 }
-
-// The 4- / 5-bit formats' constants: weights unsigned (0..15 / 0..31), Q4_0 / Q5_0 centred by
-// subtracting kBias * sum(q_x), Q4_1 / Q5_1 adding their min.
-template <int64_t QT>
-struct Nibble {
-  static constexpr bool kMin = QT == Q4_1 || QT == Q5_1, kFive = QT == Q5_0 || QT == Q5_1;
-  static constexpr int32_t kBias = kMin ? 0 : kFive ? 16 : 8;
-  static constexpr int64_t kHigh = kMin ? 32 : 16;          // offset of the fifth bits in a group's block
-  static constexpr int64_t kQs = kHigh + (kFive ? 32 : 0);  // offset of the runs
-  static constexpr int64_t kBlockBytes = (kQs + 128) / kRows;  // of one row (the GGUF block)
-};
 
 #if PAGEDLLM_X8_AVX2
 // One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8]. kFine: the
@@ -388,6 +377,7 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   const int64_t group_bytes = ilv::kRows * w.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (quant_gemm_interleaved_panels(xp, M, K, wp, N, qtype, yp)) return y;
   auto run = [&](auto format, const auto& act) {  // format: the GGUF type, as a compile-time constant
     at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
       ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
@@ -418,3 +408,5 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   }
   return y;
 }
+
+PAGEDLLM_EXACT_FLOAT_END

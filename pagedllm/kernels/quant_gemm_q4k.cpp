@@ -23,9 +23,12 @@
 // (high), broadcast to every lane.
 #include "entry_points.h"
 #include "quant_interleaved.h"
+#include "quant_panels.h"
 
 #include <cmath>
 #include <cstring>
+
+PAGEDLLM_EXACT_FLOAT_BEGIN
 
 namespace {
 namespace q4k {
@@ -171,6 +174,74 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 }
 #endif
 
+#if PAGEDLLM_X16_VNNI
+// Many activation rows (quant_panels.h). A group decoded once to bytes: k-group 64s + 16c + u of
+// the low nibbles, 64s + 16c + 8 + u of the high ones, and each sub-block's (d * sc) and
+// (dmin * m) per row as floats.
+inline void decode_group(const uint8_t* group, int64_t K, uint8_t* wq, float* scales) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t s = 0; s < K / kSuper; ++s) {
+    const uint8_t* blk = group + s * kGroupBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    for (int j = 0; j < 8; ++j) {
+      float* sj = scales + (8 * s + j) * 2 * kRows;  // [sub-block][sc, m][8 rows]
+      _mm256_storeu_ps(sj, sub_scales(d, blk + kScales + 8 * j));
+      _mm256_storeu_ps(sj + kRows, sub_scales(dmin, blk + kMins + 8 * j));
+    }
+    for (int c = 0; c < 4; ++c)
+      for (int u = 0; u < 8; ++u) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 256 * c + 32 * u));
+        uint8_t* lo = wq + (64 * s + 16 * c + u) * 4 * kRows;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm256_and_si256(w, low4));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 8 * 4 * kRows),
+                            _mm256_and_si256(_mm256_srli_epi16(w, 4), low4));
+      }
+  }
+}
+
+// One decoded group x panel p -> y's eight columns, group_kernel's float operations per sub-block.
+inline void panel_times_group(const panels::Panels& x, int64_t p, const uint8_t* wq, const float* scales, int64_t M,
+                              float* y, int64_t ldy) {
+  const int8_t* xq = x.q + p * panels::kPanel * x.K;
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < x.K / 32; ++j) {
+    __m512i dot[kRows];
+    for (int r = 0; r < kRows; ++r) dot[r] = _mm512_setzero_si512();
+    panels::dot_kgroups(xq, wq, 8 * j, 8, dot);
+    const __m512 dx = _mm512_loadu_ps(x.dx + (p * x.nb + j) * panels::kPanel);
+    const __m512 dxs = _mm512_loadu_ps(x.dxs + (p * x.nb + j) * panels::kPanel);
+    const float* sj = scales + j * 2 * kRows;
+    for (int r = 0; r < kRows; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(_mm512_set1_ps(sj[r]), dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(sj[kRows + r]), dxs, acc[r]);
+    }
+  }
+  panels::store(acc, p, M, y, ldy);
+}
+
+// Groups [g0, g1) x every panel: kTile groups decoded at a time, so a panel read once from
+// memory serves all of them.
+inline void groups_panels(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, const panels::Panels& x,
+                          int64_t M, float* y, int64_t ldy) {
+  const int64_t K = x.K;
+  static thread_local std::vector<uint8_t> wq;
+  static thread_local std::vector<float> scales;
+  ilv::grow(wq, panels::kTile * K * kRows);
+  ilv::grow(scales, panels::kTile * K / 32 * 2 * kRows);
+  for (int64_t t0 = g0; t0 < g1; t0 += panels::kTile) {
+    const int64_t n = std::min(panels::kTile, g1 - t0);
+    for (int64_t i = 0; i < n; ++i)
+      decode_group(w + (t0 + i) * group_bytes, K, wq.data() + i * K * kRows, scales.data() + i * K / 32 * 2 * kRows);
+    for (int64_t p = 0; p < x.count; ++p)
+      for (int64_t i = 0; i < n; ++i)
+        panel_times_group(x, p, wq.data() + i * K * kRows, scales.data() + i * K / 32 * 2 * kRows, M,
+                          y + (t0 + i) * kRows, ldy);
+  }
+}
+#endif
+
 }  // namespace q4k
 }  // namespace
 
@@ -198,6 +269,15 @@ torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t group_bytes = q4k::kRows * w.size(1);
   float* yp = y.data_ptr<float>();
+#if PAGEDLLM_X16_VNNI
+  if (M >= kPanelRowsMin) {
+    const auto xp = panels::pack(act, M);
+    at::parallel_for(0, N / q4k::kRows, panels::kTile, [&](int64_t g0, int64_t g1) {
+      q4k::groups_panels(wp, group_bytes, g0, g1, xp, M, yp, N);
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, N / q4k::kRows, 4, [&](int64_t g0, int64_t g1) {
     ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
       q4k::group_kernel<decltype(mr)::value>(gp, act, m, out, N);
@@ -205,3 +285,5 @@ torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
   });
   return y;
 }
+
+PAGEDLLM_EXACT_FLOAT_END

@@ -19,9 +19,12 @@
 // ql byte 32 + l values 128h + 32 + l and 128h + 96 + l; qh byte l their high bits, two each.
 #include "entry_points.h"
 #include "quant_interleaved.h"
+#include "quant_panels.h"
 
 #include <cmath>
 #include <cstring>
+
+PAGEDLLM_EXACT_FLOAT_BEGIN
 
 namespace {
 namespace q6k {
@@ -170,6 +173,90 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums
 }
 #endif
 
+#if PAGEDLLM_X16_VNNI
+// Many activation rows (quant_panels.h). A group decoded once: values 0..63 as bytes (k-group
+// 64s + 32h + 8i + u: q[i] of run u of half h), scale J (of values 16J..) per row as int32, d
+// per super-block and row as float.
+inline void decode_group(const uint8_t* group, int64_t K, uint8_t* wq, int32_t* sc, float* d) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  for (int64_t s = 0; s < K / kSuper; ++s) {
+    const uint8_t* blk = group + s * kGroupBytes;
+    _mm256_storeu_ps(d + s * kRows, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk))));
+    for (int j = 0; j < 16; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + (16 * s + j) * kRows),
+                          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kScales + 8 * j))));
+    for (int h = 0; h < 2; ++h)
+      for (int u = 0; u < 8; ++u) {
+        const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes;
+        const __m256i a_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
+        const __m256i b_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64));
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(a_, low4), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4)),
+            _mm256_or_si256(_mm256_and_si256(b_, low4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a_, 4), low4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b_, 4), low4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4)),
+        };
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + (64 * s + 32 * h + 8 * i + u) * 4 * kRows), q[i]);
+      }
+  }
+}
+
+// One decoded group x panel p -> y's eight columns, group_kernel's operations per block of 32.
+// s16: 32 * sum(q_x) per 16 values, [panel][K / 16][16].
+inline void panel_times_group(const panels::Panels& x, const int32_t* s16, int64_t p, const uint8_t* wq,
+                              const int32_t* sc, const float* d, int64_t M, float* y, int64_t ldy) {
+  const int8_t* xq = x.q + p * panels::kPanel * x.K;
+  const int32_t* sp = s16 + p * panels::kPanel * (x.K / 16);
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m512i block_int[kRows];
+    for (int r = 0; r < kRows; ++r) block_int[r] = _mm512_setzero_si512();
+    for (int64_t J = 2 * b; J < 2 * b + 2; ++J) {
+      __m512i dot[kRows];
+      for (int r = 0; r < kRows; ++r) dot[r] = _mm512_setzero_si512();
+      panels::dot_kgroups(xq, wq, 4 * J, 4, dot);
+      const __m512i sums = _mm512_loadu_si512(sp + J * panels::kPanel);
+      for (int r = 0; r < kRows; ++r)
+        block_int[r] = _mm512_add_epi32(
+            block_int[r], _mm512_mullo_epi32(_mm512_sub_epi32(dot[r], sums), _mm512_set1_epi32(sc[J * kRows + r])));
+    }
+    const __m512 dx = _mm512_loadu_ps(x.dx + (p * x.nb + b) * panels::kPanel);
+    const float* ds = d + (b / 8) * kRows;
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_int[r]), _mm512_mul_ps(_mm512_set1_ps(ds[r]), dx), acc[r]);
+  }
+  panels::store(acc, p, M, y, ldy);
+}
+
+// Groups [g0, g1) x every panel, panels::kTile groups decoded at a time.
+inline void groups_panels(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, const panels::Panels& x,
+                          const int32_t* s16, int64_t M, float* y, int64_t ldy) {
+  const int64_t K = x.K, T = panels::kTile;
+  static thread_local std::vector<uint8_t> wq;
+  static thread_local std::vector<int32_t> sc;
+  static thread_local std::vector<float> d;
+  ilv::grow(wq, T * K * kRows);
+  ilv::grow(sc, T * K / 16 * kRows);
+  ilv::grow(d, T * K / kSuper * kRows);
+  for (int64_t t0 = g0; t0 < g1; t0 += T) {
+    const int64_t n = std::min(T, g1 - t0);
+    for (int64_t i = 0; i < n; ++i)
+      decode_group(w + (t0 + i) * group_bytes, K, wq.data() + i * K * kRows, sc.data() + i * K / 16 * kRows,
+                   d.data() + i * K / kSuper * kRows);
+    for (int64_t p = 0; p < x.count; ++p)
+      for (int64_t i = 0; i < n; ++i)
+        panel_times_group(x, s16, p, wq.data() + i * K * kRows, sc.data() + i * K / 16 * kRows,
+                          d.data() + i * K / kSuper * kRows, M, y + (t0 + i) * kRows, ldy);
+  }
+}
+#endif
+
 }  // namespace q6k
 }  // namespace
 
@@ -208,6 +295,24 @@ torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t group_bytes = q6k::kRows * w.size(1);
   float* yp = y.data_ptr<float>();
+#if PAGEDLLM_X16_VNNI
+  if (M >= kPanelRowsMin) {
+    const auto xp = panels::pack(act, M);
+    // 32 * sum(q_x) per 16 values, in panels: [panel][K / 16][16 rows] (rows past M: 0)
+    static thread_local std::vector<int32_t> panel_sums;
+    const int64_t n16 = K / 16;
+    ilv::grow(panel_sums, xp.count * panels::kPanel * n16);
+    int32_t* ps = panel_sums.data();
+    std::fill(ps, ps + xp.count * panels::kPanel * n16, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t J = 0; J < n16; ++J)
+        ps[((m / panels::kPanel) * n16 + J) * panels::kPanel + m % panels::kPanel] = 32 * sp[m * n16 + J];
+    at::parallel_for(0, N / q6k::kRows, panels::kTile, [&](int64_t g0, int64_t g1) {
+      q6k::groups_panels(wp, group_bytes, g0, g1, xp, ps, M, yp, N);
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, N / q6k::kRows, 4, [&](int64_t g0, int64_t g1) {
     ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
       q6k::group_kernel<decltype(mr)::value>(gp, act, s16, m, out, N);
@@ -215,3 +320,5 @@ torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   });
   return y;
 }
+
+PAGEDLLM_EXACT_FLOAT_END

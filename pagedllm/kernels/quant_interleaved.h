@@ -27,11 +27,40 @@
 #else
 #define PAGEDLLM_X8_VNNI 0
 #endif
+// AVX512-VNNI on 512-bit registers: the panel kernels at many activation rows (quant_panels.h).
+#if PAGEDLLM_X8_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define PAGEDLLM_X16_VNNI 1
+#else
+#define PAGEDLLM_X16_VNNI 0
+#endif
+
+// The build's -ffast-math lets gcc reassociate float arithmetic, intrinsics' included, and it
+// does so differently for differently inlined copies of one expression: the 512-bit pair kernels
+// and the panel kernels (quant_panels.h) and the group kernels then rounded the same output's
+// scale products apart (9e-5).
+// Kernels whose outputs must not depend on which copy ran (every row, whatever the batch) keep
+// the written order between these two markers.
+#define PAGEDLLM_EXACT_FLOAT_BEGIN _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-associative-math\")")
+#define PAGEDLLM_EXACT_FLOAT_END _Pragma("GCC pop_options")
 
 namespace {
 namespace ilv {
 
 constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
+
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, kQ4K = 12, kQ6K = 14 };  // GGUF types
+
+// The 4- / 5-bit formats' constants: weights unsigned (0..15 / 0..31), Q4_0 / Q5_0 centred by
+// subtracting kBias * sum(q_x), Q4_1 / Q5_1 adding their min.
+template <int64_t QT>
+struct Nibble {
+  static constexpr bool kMin = QT == Q4_1 || QT == Q5_1, kFive = QT == Q5_0 || QT == Q5_1;
+  static constexpr int32_t kBias = kMin ? 0 : kFive ? 16 : 8;
+  static constexpr int64_t kHigh = kMin ? 32 : 16;          // offset of the fifth bits in a group's block
+  static constexpr int64_t kQs = kHigh + (kFive ? 32 : 0);  // offset of the runs
+  static constexpr int64_t kBlockBytes = (kQs + 128) / kRows;  // of one row (the GGUF block)
+};
+
 
 // Quantized activation rows of a call: q [M, K] (int8 for Q4_x, int16 for Q8_0), d [M, nb] and,
 // for int8, s = sum(q) [M, nb]. Fine scales (int8, a scale per 16 values: see
