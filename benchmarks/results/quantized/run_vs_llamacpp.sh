@@ -4,7 +4,7 @@
 #      (pagedllm bench latency vs llama-bench -pg 150,128), on the default model's Q4_1 file and
 #      on that file requantized to Q4_0 and Q8_0 (llama-quantize --allow-requantize);
 #   2. offline throughput, 64 requests of 150 + 128 tokens (pagedllm bench throughput --workload
-#      fixed vs llama-batched-bench -npp 150 -ntg 128 -npl 64);
+#      fixed vs llama-batched-bench -npp 150 -ntg 128 -npl 64 -fa on, its best setting here);
 #   3. the 200-request ShareGPT-like workload: native Q4_1 vs the bf16 path (--quantization none
 #      --dtype bfloat16);
 #   4. peak RSS of `pagedllm serve` on the default model with a 0.25 GiB KV cache (serve_rss.py).
@@ -52,7 +52,7 @@ if [[ " $PARTS " == *" batched "* ]]; then
     --label "pagedllm Q4_1 fixed-64" --out-dir "$OUT/raw/batched"
   # KV for 64 sequences of 278 tokens; one prompt batch of 64 x 150 tokens
   flock "$LOCK" "$LLAMACPP_BIN/llama-batched-bench" -m "$SRC" -c 17920 -b 2048 -ub 512 -npp 150 -ntg 128 \
-    -npl 64 -t 2 --output-format jsonl >"$OUT/raw/llama-batched-bench.jsonl" 2>/dev/null
+    -npl 64 -t 2 -fa on --output-format jsonl >"$OUT/raw/llama-batched-bench.jsonl" 2>/dev/null
 fi
 
 if [[ " $PARTS " == *" sharegpt "* ]]; then

@@ -144,7 +144,7 @@ def main() -> None:
             "## 64 requests of 150 + 128 tokens (Q4_1)",
             "",
             "pagedllm `bench throughput --workload fixed --num-prompts 64 --input-len 150 --output-len 128` vs",
-            "`llama-batched-bench -npp 150 -ntg 128 -npl 64 -c 17920 -b 2048 -ub 512 -t 2`.",
+            "`llama-batched-bench -npp 150 -ntg 128 -npl 64 -c 17920 -b 2048 -ub 512 -t 2 -fa on`.",
             "",
             "| system | total tok/s |",
             "|---|---|",
