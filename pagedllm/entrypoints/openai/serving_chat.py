@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.streaming import (
     sse,
 )
 from pagedllm.entrypoints.openai.structured import check_constraint_size, structured_outputs_of
-from pagedllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
+from pagedllm.entrypoints.openai.tool_calls import ToolPlan, assistant_message, plan_tools, template_messages
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
 from pagedllm.entrypoints.openai.tool_streaming import ToolCallStream
 from pagedllm.logprobs import Logprob
@@ -209,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
             if logprobs is not None and c.logprobs is not None:
                 lp = {"content": self._logprobs(c.token_ids, c.logprobs, top)}
             parts = self.split(c.text)
-            message, finish_reason = _message(plan, parts.content, c.finish_reason)
+            message, finish_reason = assistant_message(plan, parts.content, c.finish_reason)
             if self.reasoning_parser is not None:  # vLLM's field, and its newer name
                 message["reasoning_content"] = message["reasoning"] = parts.reasoning
             choices.append(
@@ -387,15 +387,3 @@ class OpenAIServingChat(OpenAIServing):
 def _delta_choice(index: int, delta: dict) -> dict:
     """A streamed choice that carries only ``delta`` (no logprobs, not finished)."""
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-
-
-def _message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message of a finished output, and its finish_reason: "tool_calls" when the
-    model called tools (and was not cut short)."""
-    if plan is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = plan.calls_of(text)
-    if not calls:
-        return {"role": "assistant", "content": content}, finish_reason
-    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-    return message, "tool_calls" if finish_reason == "stop" else finish_reason

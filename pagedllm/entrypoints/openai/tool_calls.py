@@ -163,3 +163,15 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 except ValueError:
                     pass  # the template gets the text as the client sent it
     return messages
+
+
+def assistant_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished output, and its finish_reason: "tool_calls" when the
+    model called tools (and was not cut short)."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = plan.calls_of(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
