@@ -174,15 +174,14 @@ void run_q8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, f
     static thread_local std::vector<float> dw;
     ilv::grow(wq, T * K * kRows);
     ilv::grow(dw, T * nblocks * kRows);
-    for (int64_t t0 = g0; t0 < g1; t0 += T) {
-      const int64_t n = std::min(T, g1 - t0);
-      for (int64_t i = 0; i < n; ++i)
-        decode_group_q8(w + (t0 + i) * group_bytes, nblocks, wq.data() + i * K * kRows, dw.data() + i * nblocks * kRows);
-      for (int64_t p = 0; p < xp.count; ++p)
-        for (int64_t i = 0; i < n; ++i)
-          panel_times_group_q8(xp, p, wq.data() + i * K * kRows, dw.data() + i * nblocks * kRows, M,
-                               y + (t0 + i) * kRows, N);
-    }
+    panels::for_each_tile(
+        w, group_bytes, g0, g1, xp.count,
+        [&](const uint8_t* g, int64_t i) {
+          decode_group_q8(g, nblocks, wq.data() + i * K * kRows, dw.data() + i * nblocks * kRows);
+        },
+        [&](int64_t p, int64_t i, int64_t g) {
+          panel_times_group_q8(xp, p, wq.data() + i * K * kRows, dw.data() + i * nblocks * kRows, M, y + g * kRows, N);
+        });
   });
 }
 
@@ -198,16 +197,16 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, floa
     ilv::grow(wq, T * K * kRows);
     ilv::grow(dw, T * nblocks * kRows);
     ilv::grow(mw, T * nblocks * kRows);
-    for (int64_t t0 = g0; t0 < g1; t0 += T) {
-      const int64_t n = std::min(T, g1 - t0);
-      for (int64_t i = 0; i < n; ++i)
-        decode_group<QT>(w + (t0 + i) * group_bytes, nblocks, wq.data() + i * K * kRows,
-                         dw.data() + i * nblocks * kRows, mw.data() + i * nblocks * kRows);
-      for (int64_t p = 0; p < xp.count; ++p)
-        for (int64_t i = 0; i < n; ++i)
+    panels::for_each_tile(
+        w, group_bytes, g0, g1, xp.count,
+        [&](const uint8_t* g, int64_t i) {
+          decode_group<QT>(g, nblocks, wq.data() + i * K * kRows, dw.data() + i * nblocks * kRows,
+                           mw.data() + i * nblocks * kRows);
+        },
+        [&](int64_t p, int64_t i, int64_t g) {
           panel_times_group<QT, kFine>(xp, p, wq.data() + i * K * kRows, dw.data() + i * nblocks * kRows,
-                                       mw.data() + i * nblocks * kRows, M, y + (t0 + i) * kRows, N);
-    }
+                                       mw.data() + i * nblocks * kRows, M, y + g * kRows, N);
+        });
   });
 }
 #endif

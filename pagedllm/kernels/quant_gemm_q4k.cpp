@@ -221,8 +221,7 @@ inline void panel_times_group(const panels::Panels& x, int64_t p, const uint8_t*
   panels::store(acc, p, M, y, ldy);
 }
 
-// Groups [g0, g1) x every panel: kTile groups decoded at a time, so a panel read once from
-// memory serves all of them.
+// Groups [g0, g1) x every panel (panels::for_each_tile).
 inline void groups_panels(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, const panels::Panels& x,
                           int64_t M, float* y, int64_t ldy) {
   const int64_t K = x.K;
@@ -230,15 +229,13 @@ inline void groups_panels(const uint8_t* w, int64_t group_bytes, int64_t g0, int
   static thread_local std::vector<float> scales;
   ilv::grow(wq, panels::kTile * K * kRows);
   ilv::grow(scales, panels::kTile * K / 32 * 2 * kRows);
-  for (int64_t t0 = g0; t0 < g1; t0 += panels::kTile) {
-    const int64_t n = std::min(panels::kTile, g1 - t0);
-    for (int64_t i = 0; i < n; ++i)
-      decode_group(w + (t0 + i) * group_bytes, K, wq.data() + i * K * kRows, scales.data() + i * K / 32 * 2 * kRows);
-    for (int64_t p = 0; p < x.count; ++p)
-      for (int64_t i = 0; i < n; ++i)
-        panel_times_group(x, p, wq.data() + i * K * kRows, scales.data() + i * K / 32 * 2 * kRows, M,
-                          y + (t0 + i) * kRows, ldy);
-  }
+  const int64_t S = K / 32 * 2 * kRows;  // a slot's scales
+  panels::for_each_tile(
+      w, group_bytes, g0, g1, x.count,
+      [&](const uint8_t* g, int64_t i) { decode_group(g, K, wq.data() + i * K * kRows, scales.data() + i * S); },
+      [&](int64_t p, int64_t i, int64_t g) {
+        panel_times_group(x, p, wq.data() + i * K * kRows, scales.data() + i * S, M, y + g * kRows, ldy);
+      });
 }
 #endif
 

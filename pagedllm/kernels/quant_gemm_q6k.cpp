@@ -78,10 +78,24 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// A run's 6-bit values, rows 0..7 x 4 each: q[i] holds values 32i + 4u.. of the half (low four
+// bits from ql, high two from qh).
+inline void run_values(const uint8_t* run, __m256i* q) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  const __m256i a_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
+  const __m256i b_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64));
+  q[0] = _mm256_or_si256(_mm256_and_si256(a_, low4), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(b_, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a_, 4), low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b_, 4), low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4));
+}
+
 template <int MR>
 inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums16& s16, int64_t m0, float* y,
                          int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t s = 0; s < a.K / kSuper; ++s) {
@@ -99,18 +113,8 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums
 #pragma GCC unroll 4
         for (int u = 4 * k; u < 4 * k + 4; ++u) {
           const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes;
-          const __m256i a_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
-          const __m256i b_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32));
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64));
-          const __m256i q[4] = {
-              _mm256_or_si256(_mm256_and_si256(a_, low4), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4)),
-              _mm256_or_si256(_mm256_and_si256(b_, low4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a_, 4), low4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b_, 4), low4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4)),
-          };
+          __m256i q[4];
+          run_values(run, q);
           for (int m = 0; m < MR; ++m) {
             const int8_t* xb = a.q + (m0 + m) * a.K + kSuper * s + 128 * h + 4 * u;
             for (int i = 0; i < 4; ++i) dot[m][i] = dot4(dot[m][i], q[i], ilv::broadcast4(xb + 32 * i));
@@ -178,7 +182,6 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums
 // 64s + 32h + 8i + u: q[i] of run u of half h), scale J (of values 16J..) per row as int32, d
 // per super-block and row as float.
 inline void decode_group(const uint8_t* group, int64_t K, uint8_t* wq, int32_t* sc, float* d) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
   for (int64_t s = 0; s < K / kSuper; ++s) {
     const uint8_t* blk = group + s * kGroupBytes;
     _mm256_storeu_ps(d + s * kRows, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk))));
@@ -188,18 +191,8 @@ inline void decode_group(const uint8_t* group, int64_t K, uint8_t* wq, int32_t* 
     for (int h = 0; h < 2; ++h)
       for (int u = 0; u < 8; ++u) {
         const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes;
-        const __m256i a_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
-        const __m256i b_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32));
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64));
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(a_, low4), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4)),
-            _mm256_or_si256(_mm256_and_si256(b_, low4),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a_, 4), low4),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b_, 4), low4),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4)),
-        };
+        __m256i q[4];
+        run_values(run, q);
         for (int i = 0; i < 4; ++i)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + (64 * s + 32 * h + 8 * i + u) * 4 * kRows), q[i]);
       }
@@ -244,16 +237,15 @@ inline void groups_panels(const uint8_t* w, int64_t group_bytes, int64_t g0, int
   ilv::grow(wq, T * K * kRows);
   ilv::grow(sc, T * K / 16 * kRows);
   ilv::grow(d, T * K / kSuper * kRows);
-  for (int64_t t0 = g0; t0 < g1; t0 += T) {
-    const int64_t n = std::min(T, g1 - t0);
-    for (int64_t i = 0; i < n; ++i)
-      decode_group(w + (t0 + i) * group_bytes, K, wq.data() + i * K * kRows, sc.data() + i * K / 16 * kRows,
-                   d.data() + i * K / kSuper * kRows);
-    for (int64_t p = 0; p < x.count; ++p)
-      for (int64_t i = 0; i < n; ++i)
+  panels::for_each_tile(
+      w, group_bytes, g0, g1, x.count,
+      [&](const uint8_t* g, int64_t i) {
+        decode_group(g, K, wq.data() + i * K * kRows, sc.data() + i * K / 16 * kRows, d.data() + i * K / kSuper * kRows);
+      },
+      [&](int64_t p, int64_t i, int64_t g) {
         panel_times_group(x, s16, p, wq.data() + i * K * kRows, sc.data() + i * K / 16 * kRows,
-                          d.data() + i * K / kSuper * kRows, M, y + (t0 + i) * kRows, ldy);
-  }
+                          d.data() + i * K / kSuper * kRows, M, y + g * kRows, ldy);
+      });
 }
 #endif
 

@@ -91,6 +91,20 @@ inline void dot_kgroups(const int8_t* x, const uint8_t* w, int64_t g0, int n, __
   }
 }
 
+// Groups [g0, g1) of a weight x `count` panels: kTile groups decoded at a time (decode(group, i)
+// into scratch slot i), so a panel read once from memory serves all of them
+// (compute(p, i, g): panel p x slot i -> group g's eight columns).
+template <class Decode, class Compute>
+inline void for_each_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t count, Decode decode,
+                          Compute compute) {
+  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
+    const int64_t n = std::min(kTile, g1 - t0);
+    for (int64_t i = 0; i < n; ++i) decode(w + (t0 + i) * group_bytes, i);
+    for (int64_t p = 0; p < count; ++p)
+      for (int64_t i = 0; i < n; ++i) compute(p, i, t0 + i);
+  }
+}
+
 // acc[8] (lane i = the panel's row i, register r = the group's row r) -> y rows p * 16 .. of M.
 inline void store(const __m512* acc, int64_t p, int64_t M, float* y, int64_t ldy) {
   alignas(64) float t[ilv::kRows][kPanel];
