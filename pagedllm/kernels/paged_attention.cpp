@@ -752,6 +752,16 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     if (pos < 2 * nr) return run_of(vp, pos - nr);
     return pos == 2 * nr ? next : Run{nullptr, 0};
   };
+  // The chunk's scales (a line per run), asked for now and read after the K runs below: its
+  // blocks are scattered, so each line is a miss of its own; unasked, the 16 x 8k decode of the
+  // 1.7B shape took 31.4 ms instead of 26.6 (Zen 5).
+  if constexpr (kScaled<KV>) {
+    for (int64_t k = 0; k < nr; ++k) {
+      const int64_t at = g.scale_block(table[b0 + k], h) + run_key(k) % bs;
+      _mm_prefetch(reinterpret_cast<const char*>(sc.k + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sc.v + at), _MM_HINT_T0);
+    }
+  }
   for (int64_t k = 0; k < nr; ++k) {
     const Run run = run_of(kp, k), ahead = stream(k + 2), second = k == 0 ? stream(1) : Run{nullptr, 0};
     const int64_t r = run_key(k) % bs, at = run_key(k) - t0, m = run.rows;
