@@ -4,7 +4,8 @@ float8 (e4m3, e5m2: vLLM's fp8 caches, unscaled) vs int8 (a float32 scale per to
 Parts (each alone under the benchmark lock; the caller takes it):
   capacity    KV bytes per token and blocks per GiB, default model, Gemma 3 270M, the 1.7B shape;
   attention   paged_decode_attention alone, 16 sequences x 8192 tokens of context, the 1.7B
-              shape's heads (32 query / 32 KV heads of 64), median ms per call of 7;
+              shape's heads (32 query / 32 KV heads of 64), median ms per call of 8,
+              the dtypes taken in turn;
   perplexity  `bench perplexity` (KJV Romans, context 512) of the default model (Q4_1 native)
               and of the Gemma 3 270M Q4_K_M file, per KV dtype, and without compiled kernels
               (float activations: how much the activation rounding alone moves it);
@@ -116,18 +117,20 @@ def attention() -> dict:
     tables = torch.randperm(seqs * blocks_per_seq, generator=g).view(seqs, blocks_per_seq)
     lens = torch.full((seqs,), ctx, dtype=torch.long)
     q = torch.randn(seqs, heads, dim, generator=g)
-    rows = []
-    for dtype in map(torch_dtype, KV_DTYPES):
-        kc, vc = as_cache(k, dtype), as_cache(v, dtype)
-        out = torch.empty_like(q)
-        kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
-        times = []
-        for _ in range(7):
+    # Round-robin over the dtypes, 9 rounds (a warm-up and the median of the other 8): a busy
+    # spell of the shared machine then slows every dtype alike instead of one of them.
+    caches = [(as_cache(k, dtype), as_cache(v, dtype)) for dtype in map(torch_dtype, KV_DTYPES)]
+    out = torch.empty_like(q)
+    times: list[list[float]] = [[] for _ in caches]
+    for _ in range(9):
+        for (kc, vc), ts in zip(caches, times, strict=True):
             t = time.perf_counter()
             kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
-            times.append(time.perf_counter() - t)
-        ms = 1000 * statistics.median(times)
-        name = str(dtype).removeprefix("torch.")
+            ts.append(time.perf_counter() - t)
+    rows = []
+    for (kc, vc), ts in zip(caches, times, strict=True):
+        ms = 1000 * statistics.median(ts[1:])
+        name = str(kc.dtype).removeprefix("torch.")
         read = cache_bytes(kc) + cache_bytes(vc)
         rows.append({"kv_dtype": name, "ms": round(ms, 2), "GB_per_s": round(read / ms / 1e6, 1)})
     base, base16 = rows[0]["ms"], rows[KV_DTYPES.index("float16")]["ms"]
