@@ -5,7 +5,7 @@ Parts (each alone under the benchmark lock; the caller takes it):
   capacity    KV bytes per token and blocks per GiB, default model, Gemma 3 270M, the 1.7B shape;
   attention   paged_decode_attention alone, 16 sequences x 8192 tokens of context, the 1.7B
               shape's heads (32 query / 32 KV heads of 64), median ms per call of 8,
-              the dtypes taken in turn;
+              the dtypes taken in turn, the caches on huge pages as the engine's;
   perplexity  `bench perplexity` (KJV Romans, context 512) of the default model (Q4_1 native)
               and of the Gemma 3 270M Q4_K_M file, per KV dtype, and without compiled kernels
               (float activations: how much the activation rounding alone moves it);
@@ -46,16 +46,19 @@ def torch_dtype(name: str):
 
 
 def as_cache(t, dtype):
-    """A float cache tensor in ``dtype`` as the engine stores it (int8: quantized, scales attached)."""
+    """A float cache tensor in ``dtype`` as the engine stores it: on transparent huge pages where
+    the machine has them (runner/kv_cache.py; with 4 KiB pages every scattered block is a TLB miss
+    of its own, and an int8 block's scales one more); int8 quantized, its scales attached."""
     import torch
 
     from pagedllm.attention import int8_kv
+    from pagedllm.host_memory import copy_to_huge_pages
 
-    if dtype != torch.int8:
-        return t.to(dtype)
-    q, scales = int8_kv.quantize(t)
-    int8_kv.attach_scales(q, scales)
-    return q
+    parts = list(int8_kv.quantize(t)) if dtype == torch.int8 else [t.to(dtype)]
+    parts = copy_to_huge_pages(parts) or parts
+    if dtype == torch.int8:
+        int8_kv.attach_scales(*parts)
+    return parts[0]
 
 
 def cache_bytes(cache) -> int:
