@@ -133,8 +133,9 @@ def test_two_and_four_times_the_tokens_of_a_float32_cache(tiny_llama):
 
 
 def test_a_cache_wider_or_other_than_bf16_activations_is_refused(tiny_llama):
-    with pytest.raises(ValueError, match="needs dtype='float32'"):
-        LLM(model=tiny_llama, dtype="bfloat16", kv_cache_dtype="float16", num_kv_blocks=16)
+    for narrower in ("float16", "int8"):  # int8 as fp8: under float32 activations only
+        with pytest.raises(ValueError, match="needs dtype='float32'"):
+            LLM(model=tiny_llama, dtype="bfloat16", kv_cache_dtype=narrower, num_kv_blocks=16)
     llm = LLM(model=tiny_llama, dtype="bfloat16", kv_cache_dtype="bfloat16", num_kv_blocks=16)
     assert llm.llm_engine.kv_dtype == torch.bfloat16  # the activation dtype itself: as "auto"
     assert EngineConfig(kv_cache_dtype="BF16").kv_cache_dtype == "bfloat16"
