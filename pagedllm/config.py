@@ -19,10 +19,9 @@ _KV_LAYOUTS = ("paged", "contiguous")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 _QUANTIZATIONS = ("auto", "gguf", None)
 # kv_cache_dtype: "auto" (models/loader.py resolve_kv_cache_dtype) or a named store, in vLLM's names
-# ("fp8" is its e4m3). int8 is refused by name until it has kernels.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+# ("fp8" is its e4m3; "int8" is scaled per token and KV head, pagedllm/attention/int8_kv.py).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
-_KV_CACHE_DTYPES_NOT_YET = ("int8",)
 
 
 @dataclass
@@ -123,11 +122,6 @@ class EngineConfig:
         kv = str(self.kv_cache_dtype).lower()
         kv = _DTYPE_ALIASES.get(kv, kv)  # the dtype spellings
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(kv, kv)
-        if self.kv_cache_dtype in _KV_CACHE_DTYPES_NOT_YET:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: it has no kernels; "
-                f"use one of {KV_CACHE_DTYPES}."
-            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.tokenizer_mode not in _TOKENIZER_MODES:

@@ -139,7 +139,11 @@ _GAUGES = [
     ("kv_blocks_shared", "kv_shared_blocks", "KV blocks referenced by more than one sequence."),
     ("num_free_kv_blocks", "num_free_kv_blocks", "KV blocks free for new tokens."),
     ("kv_cache_capacity_tokens", "kv_slots_total", "Tokens the KV cache holds (all blocks)."),
-    ("kv_cache_capacity_bytes", "kv_cache_bytes", "Bytes of the KV cache (its kv_cache_dtype elements)."),
+    (
+        "kv_cache_capacity_bytes",
+        "kv_cache_bytes",
+        "Bytes of the KV cache (its kv_cache_dtype elements, and int8 caches' scales).",
+    ),
 ]
 _COUNTERS = [
     ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache block lookups (prompt blocks, to the first miss)."),

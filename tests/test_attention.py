@@ -244,7 +244,7 @@ def test_decode_kernel_refuses_other_cache_dtypes():
     args = (meta.decode_block_tables, meta.decode_seq_lens, 0.125)
     for qd, kvd in ((torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float64)):
         qq = q.to(qd)
-        with pytest.raises(RuntimeError, match="float8 under float32 q"):
+        with pytest.raises(RuntimeError, match="float8 / int8 under float32 q"):
             kernels.paged_decode_attention(torch.empty_like(qq), qq, kc.to(kvd), vc.to(kvd), *args)
 
 

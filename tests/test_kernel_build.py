@@ -150,6 +150,7 @@ def test_each_level_is_compiled_for_its_instruction_set(level):
 KERNEL_TEST_MODULES = (
     "test_attention.py",
     "test_cpu_kernels.py",
+    "test_int8_kv.py",
     "test_sliding_window_attention.py",
     "test_kernel_bounds.py",
     "test_kernel_shapes.py",

@@ -1,4 +1,4 @@
-"""kv_cache_dtype: bf16 / fp16 / fp8 KV caches under float32 activations.
+"""kv_cache_dtype: bf16 / fp16 / fp8 / int8 KV caches under float32 activations.
 
 Within one KV dtype, greedy output must not depend on the schedule (batch, block size, chunking,
 preemption by recompute or swap, prefix caching) nor on tensor parallelism; the cache holds two
@@ -21,16 +21,18 @@ from test_invariance import run, workload
 from test_tensor_parallel import _outputs, _shutdown, _stress_prompts
 
 from pagedllm import LLM
+from pagedllm.attention.int8_kv import cache_scales
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_cpu_kernels
 
-KV_DTYPES = ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
-EIGHT_BIT = ("fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"]
+EIGHT_BIT = ("fp8_e4m3", "fp8_e5m2", "int8")
 TORCH_KV = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
 }
 FAMILIES = ["llama", "gpt2", "gemma3"]
 
@@ -66,6 +68,7 @@ def baseline(model_dir, kv_dtype):
     toks, llm = run(model_dir, prompts, max_num_seqs=1, kv_cache_dtype=kv_dtype)
     k_cache = llm.llm_engine.runner.kv_caches[0][0]
     assert k_cache.dtype == TORCH_KV[kv_dtype] and llm.llm_engine.dtype == torch.float32
+    assert (cache_scales(k_cache) is not None) == (kv_dtype == "int8")
     return prompts, toks
 
 
@@ -115,26 +118,30 @@ def test_kernels_and_reference_path_agree(tiny_model_dirs, kv_dtype):
 
 
 def test_two_and_four_times_the_tokens_of_a_float32_cache(tiny_llama):
-    """The same memory holds twice the blocks in 16 bits, four times in 8 ("fp8" is e4m3)."""
+    """The same memory holds twice the blocks in 16 bits, four times in 8 ("fp8" is e4m3); int8
+    pays for its scales, 4 bytes per token and head beside head_dim bytes."""
     blocks = {}
-    for kv in ("auto", "bfloat16", "float16", "fp8", "fp8_e5m2"):
+    for kv in ("auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8"):
         llm = LLM(model=tiny_llama, dtype="float32", kv_cache_memory_gib=0.01, kv_cache_dtype=kv)
         blocks[kv] = llm.llm_engine.num_kv_blocks
         assert llm.llm_engine.kv_dtype == (torch.float32 if kv == "auto" else TORCH_KV.get(kv, torch.float8_e4m3fn))
     assert blocks["bfloat16"] == blocks["float16"] and blocks["fp8"] == blocks["fp8_e5m2"]
     assert abs(blocks["bfloat16"] - 2 * blocks["auto"]) <= 1
     assert abs(blocks["fp8"] - 4 * blocks["auto"]) <= 3
+    d = llm.llm_engine.model.head_dim
+    assert abs(blocks["int8"] - blocks["fp8"] * d / (d + 4)) <= 1 and blocks["int8"] < blocks["fp8"]
 
 
 def test_a_cache_wider_or_other_than_bf16_activations_is_refused(tiny_llama):
-    with pytest.raises(ValueError, match="needs dtype='float32'"):
-        LLM(model=tiny_llama, dtype="bfloat16", kv_cache_dtype="float16", num_kv_blocks=16)
+    for narrower in ("float16", "int8"):  # int8 as fp8: under float32 activations only
+        with pytest.raises(ValueError, match="needs dtype='float32'"):
+            LLM(model=tiny_llama, dtype="bfloat16", kv_cache_dtype=narrower, num_kv_blocks=16)
     llm = LLM(model=tiny_llama, dtype="bfloat16", kv_cache_dtype="bfloat16", num_kv_blocks=16)
     assert llm.llm_engine.kv_dtype == torch.bfloat16  # the activation dtype itself: as "auto"
     assert EngineConfig(kv_cache_dtype="BF16").kv_cache_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("tp_kv_dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("tp_kv_dtype", ["bfloat16", "fp8_e4m3", "int8"])
 def test_tp2_matches_tp1_with_a_narrow_cache(tiny_model_dirs, q8_0_files, tp_kv_dtype):
     """Each rank's cache holds its KV heads in 16 or 8 bits; swapped out and back under pressure."""
     prompts = _stress_prompts()

@@ -526,6 +526,20 @@ def test_decoder_plan_equals_the_fused_loop_float32(tiny_model_dirs, kernels, fa
     assert_plan_is_the_fused_loop(llm)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_decoder_plan_equals_the_fused_loop_over_an_8_bit_cache(gguf_files, kernels, kv_cache_dtype):
+    """The plan writes and reads the int8 cache with its scales (and fp8 without) as the loop does."""
+    llm = LLM(
+        model=gguf_files["legacy"],
+        dtype="float32",
+        num_kv_blocks=256,
+        quantization="gguf",
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    assert_plan_is_the_fused_loop(llm)
+
+
 def test_no_decoder_plan_where_a_layer_has_no_kernel(gguf_files, kernels):
     """The reference path (no kernels) builds no plan: every step runs the module graph."""
     llm = LLM(model=gguf_files["legacy"], dtype="float32", num_kv_blocks=32, attention_backend="torch")

@@ -96,8 +96,7 @@ def test_kv_cache_dtype_names():
     assert EngineConfig(kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
     assert EngineConfig(kv_cache_dtype="half").kv_cache_dtype == "float16"
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's fp8 is e4m3
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported yet"):
-        EngineConfig(kv_cache_dtype="int8")
+    assert EngineConfig(kv_cache_dtype="INT8").kv_cache_dtype == "int8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="float64")
 

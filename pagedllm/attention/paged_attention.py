@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import int8_kv
+from pagedllm.attention.int8_kv import cache_scales
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 
 
@@ -30,11 +32,16 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots, rounded
-    to the cache's dtype (``kv_cache_dtype``: it may be narrower than the activations)."""
+    to the cache's dtype (``kv_cache_dtype``: it may be narrower than the activations; int8 with
+    a scale per token and head, int8_kv.py)."""
     bs = k_cache.shape[2]
     blocks, offsets = slot_mapping // bs, slot_mapping % bs
-    k_cache[blocks, :, offsets] = to_cache_dtype(key, k_cache.dtype)
-    v_cache[blocks, :, offsets] = to_cache_dtype(value, v_cache.dtype)
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        scales = cache_scales(cache)
+        if scales is None:
+            cache[blocks, :, offsets] = to_cache_dtype(x, cache.dtype)
+        else:
+            cache[blocks, :, offsets], scales[blocks, :, offsets] = int8_kv.quantize(x)
 
 
 # The largest finite value of each cache dtype that can overflow (float16, and float8 stored
@@ -154,8 +161,8 @@ def _decode(
     bt, mask = meta.decode_view(bs, window)
     nblk = bt.shape[1]
     # [nd, nblk, hkv, bs, d] -> [nd, hkv, nblk * bs, d]
-    k = k_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d).to(q.dtype)
-    v = v_cache[bt].transpose(1, 2).reshape(nd, hkv, nblk * bs, d).to(q.dtype)
+    k = _read(k_cache, bt, q.dtype).transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
+    v = _read(v_cache, bt, q.dtype).transpose(1, 2).reshape(nd, hkv, nblk * bs, d)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h)
     return o.squeeze(2)
 
@@ -175,8 +182,8 @@ def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, windo
         first_key = first_block * bs
         # [nblk, hkv, bs, d] -> [hkv, nblk * bs, d], cut to the sequence
         ids = p.block_ids[first_block:]
-        k = k_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key].to(q.dtype)
-        v = v_cache[ids].transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key].to(q.dtype)
+        k = _read(k_cache, ids, q.dtype).transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key]
+        v = _read(v_cache, ids, q.dtype).transpose(0, 1).reshape(hkv, -1, d)[:, : p.seq_len - first_key]
     if window is not None:
         mask = sliding_mask(p.context_len, p.query_len, first_key, p.seq_len, window, q.device)
     # 4-D (batch of 1): the CPU's fused flash kernel only takes 4-D inputs; 3-D goes to "math".
@@ -194,8 +201,19 @@ def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, windo
     return o.squeeze(0).transpose(0, 1)
 
 
+def _read(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's blocks (indexed by ``blocks``, any shape) widened to ``dtype``, an int8 cache's
+    values times their scales."""
+    scales = cache_scales(cache)
+    if scales is None:
+        return cache[blocks].to(dtype)
+    return int8_kv.dequantize(cache[blocks], scales[blocks], dtype)
+
+
 def _as_cached(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """t as the cache stores it, back in t's dtype (t itself when the dtypes agree)."""
+    if cache_scales(cache) is not None:
+        return int8_kv.round_trip(t)
     return t if cache.dtype == t.dtype else to_cache_dtype(t, cache.dtype).to(t.dtype)
 
 

@@ -272,7 +272,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the activation dtype), bfloat16, float16")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2, int8"
+    )
     parser.add_argument(
         "--num-kv-tokens",
         type=int,

@@ -53,7 +53,8 @@ _HELP = {
     "trust_remote_code": "accepted; pagedllm never runs code shipped with a checkpoint",
     "disable_log_stats": "accepted; pagedllm logs no periodic stats (see /metrics)",
     "kv_cache_dtype": "the KV cache's element type: auto (float16 for GGUF weights run in their blocks, else "
-    "the activation dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3) or fp8_e5m2",
+    "the activation dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2 or int8 (a float32 scale per "
+    "token and KV head)",
     "kv_layout": "paged (default) or contiguous (baseline reservation policies)",
     "reserve": "contiguous layout: max | pow2 | oracle",
     "max_model_len": "context length (default: the model's)",

@@ -63,7 +63,22 @@ inline bool amx_permitted() {
 // The KV cache element types narrower than float32 activations (kv_cache_dtype) that the
 // attention and RoPE + cache-write kernels read and write (interface.py NARROW_KV_DTYPES).
 inline bool narrow_kv_cache(c10::ScalarType t) {
-  return t == torch::kBFloat16 || t == torch::kHalf || t == torch::kFloat8_e4m3fn || t == torch::kFloat8_e5m2;
+  return t == torch::kBFloat16 || t == torch::kHalf || t == torch::kFloat8_e4m3fn || t == torch::kFloat8_e5m2 ||
+         t == torch::kChar;
+}
+
+// An int8 cache's scales (pagedllm/attention/int8_kv.py): float32 [num_blocks, num_kv_heads,
+// block_size], one per cache row (token and KV head), given for int8 caches and only for them.
+// Returns their data (null for the other dtypes).
+inline float* int8_cache_scales(const char* who, const torch::Tensor& cache, const c10::optional<torch::Tensor>& scales) {
+  const bool int8 = cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 == scales.has_value(), who, ": scales go with an int8 cache, and only with one");
+  if (!int8) return nullptr;
+  const torch::Tensor& sc = *scales;
+  TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.is_contiguous() && sc.dim() == 3 && cache.dim() == 4 &&
+                  sc.size(0) == cache.size(0) && sc.size(1) == cache.size(1) && sc.size(2) == cache.size(2),
+              who, ": an int8 cache's scales are float32 [num_blocks, num_kv_heads, block_size], contiguous");
+  return sc.data_ptr<float>();
 }
 
 inline float bf16_bits_to_float(uint16_t b) { return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16); }

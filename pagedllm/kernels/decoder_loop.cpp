@@ -81,18 +81,23 @@ class DecoderPlan {
   // row a decode (one token of its own sequence). Returns the final norm of the last layer's output.
   torch::Tensor decode(torch::Tensor h, torch::Tensor residual, torch::Tensor positions, torch::Tensor cos,
                        torch::Tensor sin, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
-                       torch::Tensor slot_mapping,
-                       torch::Tensor block_tables, torch::Tensor seq_lens) const {
+                       const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_scales,
+                       torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens) const {
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == layers_, "DecoderPlan.decode: one (K, V) cache per layer");
+    // an int8 cache's scales per layer (K, V), or none at all for the other dtypes
+    TORCH_CHECK(kv_scales.empty() || static_cast<int64_t>(kv_scales.size()) == layers_,
+                "DecoderPlan.decode: one (K, V) pair of scales per layer, or none");
     const int64_t t = h.size(0), qs = num_heads_ * head_dim_;
     for (int64_t l = 0; l < layers_; ++l) {
       const Projection* p = &projections_[4 * l];
       torch::Tensor qkv = run(p[0], h);
       const auto& [k_cache, v_cache] = kv_caches[l];
-      rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_);
+      c10::optional<torch::Tensor> ks, vs;
+      if (!kv_scales.empty()) std::tie(ks, vs) = kv_scales[l];
+      rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_, ks, vs);
       torch::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads_, head_dim_});
       torch::Tensor o = torch::empty({t, num_heads_, head_dim_}, q.options());
-      paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale_, windows_[l]);
+      paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale_, windows_[l], ks, vs);
       h = add_rms_norm(run(p[1], o.view({t, qs})), residual, norms_[2 * l], eps_[2 * l]);
       torch::Tensor m = run(p[3], silu_and_mul(run(p[2], h)));
       h = add_rms_norm(m, residual, norms_[2 * l + 1], eps_[2 * l + 1]);

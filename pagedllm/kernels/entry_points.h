@@ -7,11 +7,14 @@
 #include <string>
 
 // window > 0: a sliding window (keys seq_len - window .. seq_len - 1 only); <= 0: none.
+// k_scales / v_scales: an int8 cache's (common.h int8_cache_scales), else none.
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                            c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
-                          int64_t num_kv_heads);
+                          int64_t num_kv_heads, c10::optional<torch::Tensor> k_scales,
+                          c10::optional<torch::Tensor> v_scales);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor argmax_rows(torch::Tensor x);

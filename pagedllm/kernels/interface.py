@@ -13,11 +13,14 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.attention.int8_kv import cache_scales
+
 # rope_and_cache_write rotates a head in fixed 256-float halves (layer_ops.cpp rope_head).
 MAX_ROPE_HEAD_DIM = 512
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-# KV caches narrower than float32 activations (kv_cache_dtype) that the kernels read and write
-NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+# KV caches narrower than float32 activations (kv_cache_dtype) that the kernels read and write;
+# an int8 cache's scales (pagedllm/attention/int8_kv.py) go to the kernels beside it.
+NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
@@ -31,8 +34,20 @@ FINE_SCALES_OFFSET = 1000
 
 def kv_cache_dtype_supported(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """Whether the attention and RoPE + cache-write kernels take activations of ``dtype`` over a
-    KV cache of ``kv_dtype``: the same dtype, or bf16 / fp16 / fp8 caches under float32 activations."""
+    KV cache of ``kv_dtype``: the same dtype, or bf16 / fp16 / fp8 / int8 caches under float32 activations."""
     return kv_dtype == dtype or (dtype == torch.float32 and kv_dtype in NARROW_KV_DTYPES)
+
+
+def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The scales of an int8 K and V cache (None, None for the other dtypes): the kernels' last
+    two arguments."""
+    return cache_scales(k_cache), cache_scales(v_cache)
+
+
+def layer_scales(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """DecoderPlan.decode's ``kv_scales``: each layer's (K, V) scales for int8 caches, else empty."""
+    pairs = [kv_scales(k, v) for k, v in kv_caches]
+    return [] if not pairs or pairs[0][0] is None else pairs
 
 
 def _kv_refusal(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:
@@ -97,8 +112,11 @@ class CpuKernels:
         """out[i] <- softmax(q[i] k^T * scale) v over sequence i's first seq_lens[i] keys, K/V read
         in place through block_tables [n, max_blocks] (long). q, out: [n, heads, head_dim].
         ``window``: a sliding window W (only the last W keys; the blocks before them are never
-        read, their entries may be NULL_BLOCK), or None. Windowed bf16 runs the portable path."""
-        self._m.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0)
+        read, their entries may be NULL_BLOCK), or None. Windowed bf16 runs the portable path.
+        An int8 cache's scales (attached to it) are read beside it."""
+        self._m.paged_decode_attention(
+            out, q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, *kv_scales(k_cache, v_cache)
+        )
 
     def prefill_attention_available(self, head_dim: int, block_size: int) -> bool:
         """Whether paged_prefill_attention runs here for this head_dim and block_size."""
@@ -140,8 +158,11 @@ class CpuKernels:
     ) -> None:
         """RoPE on the q and k parts of each fused qkv row (in place), then k and v stored at the
         row's cache slot. qkv, cos / sin [max_positions, head_dim] and the caches: all bf16 or all
-        float32."""
-        self._m.rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        float32, or float32 over a narrower cache (kv_cache_dtype; int8: its scales written too)."""
+        ks, vs = kv_scales(k_cache, v_cache)
+        self._m.rope_and_cache_write(
+            qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, ks, vs
+        )
 
     # ---- elementwise ----------------------------------------------------------------------
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -238,9 +259,10 @@ class CpuKernels:
         scale: float,
         windows: list[int | None] | None = None,
     ):
-        """A DecoderPlan: ``decode(h, residual, positions, cos, sin, kv_caches, slots,
-        block_tables, seq_lens)`` runs a decode-only step through every layer in one call, with
-        the kernels the fused Python loop calls, in its order (so bit-identical to it).
+        """A DecoderPlan: ``decode(h, residual, positions, cos, sin, kv_caches, kv_scales, slots,
+        block_tables, seq_lens)`` (``kv_scales``: layer_scales(kv_caches)) runs a decode-only step
+        through every layer in one call, with the kernels the fused Python loop calls, in its order
+        (so bit-identical to it).
         ``projections``: qkv, o, gate_up, down of each layer, each a list of parts (weight, qtype,
         bias) whose outputs are concatenated: GGUF blocks (qtype >= 0) or float32 weights (qtype
         -1). ``norms`` / ``eps``: per layer the post-attention norm, then the next input norm

@@ -7,6 +7,7 @@
 // In float32 they compute the reference's formulas in float: RoPE gives its bits, SiLU and RMSNorm
 // differ in the last bits only (exp / division approximations, summation order).
 #include "common.h"
+#include "kv_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -50,31 +51,13 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
   }
 }
 
-// One head's D values into a cache row: copied where the cache has the activations' element,
-// else rounded to nearest even as torch's .to() rounds (the reference path's write_kv_cache).
-inline void store_row(uint16_t* dst, const uint16_t* src, int64_t D) { std::memcpy(dst, src, D * sizeof(uint16_t)); }
-inline void store_row(float* dst, const float* src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
-inline void store_row(at::BFloat16* dst, const float* src, int64_t D) {
-  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < D; ++i) d[i] = float_to_bf16_bits(src[i]);
-}
-// float16 / float8 saturate at their largest finite value rather than store an infinity (as the
-// reference's to_cache_dtype); c10's conversions round to nearest even, as torch's .to().
-template <typename C>
-inline void store_saturated(C* dst, const float* src, int64_t D, float limit) {
-  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<C>(std::min(limit, std::max(-limit, src[i])));
-}
-inline void store_row(at::Half* dst, const float* src, int64_t D) { store_saturated(dst, src, D, 65504.f); }
-inline void store_row(at::Float8_e4m3fn* dst, const float* src, int64_t D) { store_saturated(dst, src, D, 448.f); }
-inline void store_row(at::Float8_e5m2* dst, const float* src, int64_t D) { store_saturated(dst, src, D, 57344.f); }
-
 // E: uint16_t (bf16 bits) or float, the element of qkv and the tables; C: the caches' element (E,
 // or at::BFloat16 / at::Half / float8 under a float E: kv_cache_dtype narrower than the activations).
+// ks / vs: an int8 cache's scales (one per cache row), else null.
 template <typename E, typename C>
 void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64_t* sp, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
-                               int64_t num_kv_heads) {
+                               int64_t num_kv_heads, float* ks = nullptr, float* vs = nullptr) {
   const int64_t T = qkv.size(0), D = k_cache.size(3);
   E* base = reinterpret_cast<E*>(qkv.data_ptr());
   const E* cp = reinterpret_cast<const E*>(cos.data_ptr());
@@ -92,8 +75,14 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
       const E* k = row + num_heads * D;
       const int64_t at = (sp[t] / block_size) * blk_stride + (sp[t] % block_size) * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        store_row(kc + at + h * head_stride, k + h * D, D);
-        store_row(vc + at + h * head_stride, k + kv_row + h * D, D);
+        const int64_t r = at + h * head_stride;  // the row's offset; its scale's is r / D
+        if constexpr (std::is_same<C, int8_t>::value) {
+          store_row_int8(kc + r, ks + r / D, k + h * D, D);
+          store_row_int8(vc + r, vs + r / D, k + kv_row + h * D, D);
+        } else {
+          store_row(kc + r, k + h * D, D);
+          store_row(vc + r, k + kv_row + h * D, D);
+        }
       }
     }
   });
@@ -104,16 +93,18 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
 // qkv: [T, (H + 2 * Hkv) * D] bf16 or float32, rows may be strided; q and k parts are rotated in
 // place, then k and v are stored at slot_mapping in the paged caches [num_blocks, Hkv, block_size, D].
 // cos/sin: [max_positions, D] tables in qkv's dtype (the bf16 reference casts its float tables to
-// bf16 too). The caches are in qkv's dtype, or for float32 qkv bfloat16 / float16 / float8 (kv_cache_dtype).
+// bf16 too). The caches are in qkv's dtype, or for float32 qkv bfloat16 / float16 / float8 / int8
+// (kv_cache_dtype; int8 with its scales, k_scales / v_scales).
 void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
-                          int64_t num_kv_heads) {
+                          int64_t num_kv_heads, c10::optional<torch::Tensor> k_scales,
+                          c10::optional<torch::Tensor> v_scales) {
   const auto dt = qkv.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && cos.scalar_type() == dt && sin.scalar_type() == dt &&
                   v_cache.scalar_type() == ct &&
                   (ct == dt || (dt == torch::kFloat && narrow_kv_cache(ct))),
               "rope_and_cache_write: qkv and tables all bfloat16 or all float32; caches of qkv's dtype, or "
-              "bfloat16 / float16 / float8 under float32 qkv");
+              "bfloat16 / float16 / float8 / int8 under float32 qkv");
   TORCH_CHECK(qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_and_cache_write: bad layout");
@@ -129,6 +120,8 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
               "cache geometry");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
               "rope_and_cache_write: cos / sin tables [max_positions, head_dim]");
+  float* ks = int8_cache_scales("rope_and_cache_write", k_cache, k_scales);
+  float* vs = int8_cache_scales("rope_and_cache_write", v_cache, v_scales);
   // Checked here, before any thread writes: a slot outside the cache would write anywhere in memory.
   const int64_t num_slots = k_cache.size(0) * block_size;
   for (int64_t t = 0; t < T; ++t) {
@@ -148,6 +141,8 @@ void rope_and_cache_write(torch::Tensor qkv, torch::Tensor positions, torch::Ten
                                                         num_kv_heads);
   else if (ct == torch::kFloat8_e5m2)
     rope_and_cache_write_impl<float, at::Float8_e5m2>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
+  else if (ct == torch::kChar)
+    rope_and_cache_write_impl<float, int8_t>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, ks, vs);
   else
     rope_and_cache_write_impl<float, float>(qkv, pp, sp, cos, sin, k_cache, v_cache, num_heads, num_kv_heads);
 }

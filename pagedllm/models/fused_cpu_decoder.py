@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_attention import attend
-from pagedllm.kernels.interface import CpuKernels
+from pagedllm.kernels.interface import CpuKernels, layer_scales
 from pagedllm.layers.linear import ParallelLinear
 
 if TYPE_CHECKING:  # llama.py imports this module
@@ -190,7 +190,7 @@ def forward_fused(
         # attention depends on its own keys alone, so one call over all rows gives the bits of the
         # loop's two (decode rows, then prefill rows).
         tables, lens = meta.rows_as_decodes()
-        return plan.decode(h, residual, rope_rows, cos, sin, kv_caches, slots, tables, lens)
+        return plan.decode(h, residual, rope_rows, cos, sin, kv_caches, layer_scales(kv_caches), slots, tables, lens)
     for lyr, (k_cache, v_cache) in zip(model._fused_layers, kv_caches, strict=True):
         qkv = lyr.qkv(h)
         if lyr.q_norm is not None:

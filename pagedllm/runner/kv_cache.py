@@ -4,19 +4,26 @@ Head-major within a block (vLLM's V layout): the block_size x D keys of one KV h
 contiguous run, so decode attention, which reads one head of a sequence at a time, streams whole
 runs instead of every third 128-byte slice of a token-major block (measured 3-10% faster in the
 CPU kernel alone). A token's slot is still ``block_id * block_size + offset``.
+
+An int8 cache (kv_cache_dtype "int8") carries a float32 scale per token and KV head in a tensor
+[num_blocks, Hkv, block_size] attached to it (pagedllm/attention/int8_kv.py): its bytes count in
+the block's size, and block copies and swaps move them with the block's rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.int8_kv import attach_scales, cache_scales
 from pagedllm.host_memory import empty_on_huge_pages
 
 GIB = 1 << 30
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """K and V of every layer, an int8 cache's float32 scales (one per token and head) included."""
+    per_row = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
+    return 2 * num_layers * block_size * num_kv_heads * per_row
 
 
 def num_blocks_for_memory(memory_gib: float, bytes_per_block: int) -> int:
@@ -35,27 +42,32 @@ def allocate_kv_cache(
     # Zeroed, not empty: attention multiplies masked-out slots by probability 0, and 0 * NaN
     # garbage would still poison the output.
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    # an int8 cache's scales: after every cache, in the same buffer
+    specs = [(shape, dtype)] * (2 * num_layers) + [(shape[:-1], torch.float32)] * (
+        2 * num_layers if dtype == torch.int8 else 0
+    )
     if torch.device(device).type == "cpu":
-        return _cpu_caches_on_huge_pages(num_layers, shape, dtype)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+        tensors = _cpu_tensors_on_huge_pages(specs)
+    else:
+        tensors = [torch.zeros(s, dtype=d, device=device) for s, d in specs]
+    caches, scales = tensors[: 2 * num_layers], tensors[2 * num_layers :]
+    for cache, s in zip(caches[: len(scales)], scales, strict=True):
+        attach_scales(cache, s)
+    return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(num_layers)]
 
 
-def _cpu_caches_on_huge_pages(
-    num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """All layers' K and V caches as views of one fresh buffer on huge pages, packed end to end.
+def _cpu_tensors_on_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """All layers' K and V caches (and scales) as zeroed views of one fresh buffer on huge pages,
+    packed end to end.
 
     As 60 separate ~66 MB tensors, some were carved from memory the allocator had already touched
     with 4 KiB pages (freed load-time buffers), which madvise does not convert (seen in smaps).
     Starting each view on its own huge page instead wasted up to 2 MiB per view: 104 MiB of a
     256 MiB cache of 60 views of 4.5 MB."""
-    caches, _ = empty_on_huge_pages([(shape, dtype)] * (2 * num_layers), align=64)
-    for t in caches:
+    tensors, _ = empty_on_huge_pages(specs, align=64)
+    for t in tensors:
         t.zero_()  # the first touch, after the advice
-    return [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]
+    return tensors
 
 
 def move_blocks(
@@ -63,7 +75,8 @@ def move_blocks(
     dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
     pairs: list[tuple[int, int]],
 ) -> None:
-    """Copies whole blocks src -> dst in every layer's K and V (COW copies and swaps).
+    """Copies whole blocks src -> dst in every layer's K and V, and an int8 cache's scales (COW
+    copies and swaps).
 
     All sources are read before any destination is written (index gather, then scatter).
     """
@@ -74,8 +87,14 @@ def move_blocks(
     src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
     for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
-        for s_cache, d_cache in ((_as_bytes(sk), _as_bytes(dk)), (_as_bytes(sv), _as_bytes(dv))):
-            d_cache.index_copy_(0, dst, s_cache.index_select(0, src).to(dst_dev, non_blocking=False))
+        for s_cache, d_cache in ((sk, dk), (sv, dv)):
+            moves = [(_as_bytes(s_cache), _as_bytes(d_cache))]
+            if (s_scales := cache_scales(s_cache)) is not None:
+                d_scales = cache_scales(d_cache)
+                assert d_scales is not None, "an int8 cache's blocks moved into one without scales"
+                moves.append((s_scales, d_scales))
+            for s_t, d_t in moves:
+                d_t.index_copy_(0, dst, s_t.index_select(0, src).to(dst_dev, non_blocking=False))
 
 
 def _as_bytes(cache: torch.Tensor) -> torch.Tensor:

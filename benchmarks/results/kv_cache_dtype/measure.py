@@ -1,10 +1,11 @@
 """kv_cache_dtype side by side: float32 vs bfloat16 vs float16 (the "auto" cache of GGUF models) vs
-float8 (e4m3, e5m2: vLLM's fp8 caches, unscaled).
+float8 (e4m3, e5m2: vLLM's fp8 caches, unscaled) vs int8 (a float32 scale per token and KV head).
 
 Parts (each alone under the benchmark lock; the caller takes it):
   capacity    KV bytes per token and blocks per GiB, default model, Gemma 3 270M, the 1.7B shape;
   attention   paged_decode_attention alone, 16 sequences x 8192 tokens of context, the 1.7B
-              shape's heads (32 query / 32 KV heads of 64), median ms per call of 7;
+              shape's heads (32 query / 32 KV heads of 64), median ms per call of 8,
+              the dtypes taken in turn, the caches on huge pages as the engine's;
   perplexity  `bench perplexity` (KJV Romans, context 512) of the default model (Q4_1 native)
               and of the Gemma 3 270M Q4_K_M file, per KV dtype, and without compiled kernels
               (float activations: how much the activation rounding alone moves it);
@@ -13,9 +14,11 @@ Parts (each alone under the benchmark lock; the caller takes it):
               output tok/s and preemptions per KV dtype.
 
     flock /tmp/pagedllm-bench.lock python3 benchmarks/results/kv_cache_dtype/measure.py \
-        capacity attention perplexity [throughput --gguf FILE]
+        capacity attention perplexity [throughput --gguf FILE] [--kv-dtypes float32,int8]
 
-writes PART.json per part and results.md beside this script (with the CPU recorded).
+writes results.json, results.md and results.png beside this script (with the CPU recorded).
+--kv-dtypes (float32 first) limits perplexity and throughput to those caches; such a run is kept
+beside the full one, as "PART (dtype+dtype)".
 """
 
 from __future__ import annotations
@@ -33,13 +36,36 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..", "..")
 TEXT = os.path.join(ROOT, "benchmarks", "data", "kjv-romans.txt")
-KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def torch_dtype(name: str):
     import torch
 
     return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name) or getattr(torch, name)
+
+
+def as_cache(t, dtype):
+    """A float cache tensor in ``dtype`` as the engine stores it: on transparent huge pages where
+    the machine has them (runner/kv_cache.py; with 4 KiB pages every scattered block is a TLB miss
+    of its own, and an int8 block's scales one more); int8 quantized, its scales attached."""
+    import torch
+
+    from pagedllm.attention import int8_kv
+    from pagedllm.host_memory import copy_to_huge_pages
+
+    parts = list(int8_kv.quantize(t)) if dtype == torch.int8 else [t.to(dtype)]
+    parts = copy_to_huge_pages(parts) or parts
+    if dtype == torch.int8:
+        int8_kv.attach_scales(*parts)
+    return parts[0]
+
+
+def cache_bytes(cache) -> int:
+    from pagedllm.attention.int8_kv import cache_scales
+
+    scales = cache_scales(cache)
+    return cache.numel() * cache.element_size() + (0 if scales is None else scales.numel() * 4)
 
 
 def machine() -> dict:
@@ -94,20 +120,22 @@ def attention() -> dict:
     tables = torch.randperm(seqs * blocks_per_seq, generator=g).view(seqs, blocks_per_seq)
     lens = torch.full((seqs,), ctx, dtype=torch.long)
     q = torch.randn(seqs, heads, dim, generator=g)
-    rows = []
-    for dtype in map(torch_dtype, KV_DTYPES):
-        kc, vc = k.to(dtype), v.to(dtype)
-        out = torch.empty_like(q)
-        kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
-        times = []
-        for _ in range(7):
+    # Round-robin over the dtypes, 9 rounds (a warm-up and the median of the other 8): a busy
+    # spell of the shared machine then slows every dtype alike instead of one of them.
+    caches = [(as_cache(k, dtype), as_cache(v, dtype)) for dtype in map(torch_dtype, KV_DTYPES)]
+    out = torch.empty_like(q)
+    times: list[list[float]] = [[] for _ in caches]
+    for _ in range(9):
+        for (kc, vc), ts in zip(caches, times, strict=True):
             t = time.perf_counter()
             kernels.paged_decode_attention(out, q, kc, vc, tables, lens, 0.125)
-            times.append(time.perf_counter() - t)
-        ms = 1000 * statistics.median(times)
-        cache_bytes = 2 * kc.numel() * kc.element_size()
-        name = str(dtype).removeprefix("torch.")
-        rows.append({"kv_dtype": name, "ms": round(ms, 2), "GB_per_s": round(cache_bytes / ms / 1e6, 1)})
+            ts.append(time.perf_counter() - t)
+    rows = []
+    for (kc, vc), ts in zip(caches, times, strict=True):
+        ms = 1000 * statistics.median(ts[1:])
+        name = str(kc.dtype).removeprefix("torch.")
+        read = cache_bytes(kc) + cache_bytes(vc)
+        rows.append({"kv_dtype": name, "ms": round(ms, 2), "GB_per_s": round(read / ms / 1e6, 1)})
     base, base16 = rows[0]["ms"], rows[KV_DTYPES.index("float16")]["ms"]
     for r in rows:
         r["speedup_vs_float32"] = round(base / r["ms"], 2)
@@ -124,7 +152,7 @@ def _cli(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "pagedllm.entrypoints.cli", *args]
 
 
-def perplexity() -> dict:
+def perplexity(kv_dtypes: list[str]) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from gemma3_real_file import assemble
 
@@ -135,7 +163,10 @@ def perplexity() -> dict:
             # the last: attention_backend "torch" runs no compiled kernel at all, so the GGUF
             # layers dequantize and multiply in float: the float-activation run, which shows how
             # far the int8 / int16 activation rounding alone already moves this model
-            for kv, backend in [(kv, "auto") for kv in KV_DTYPES] + [("float32", "torch")]:
+            runs = [(kv, "auto") for kv in kv_dtypes] + (
+                [("float32", "torch")] if list(kv_dtypes) == list(KV_DTYPES) else []
+            )
+            for kv, backend in runs:
                 out = os.path.join(tmp, "ppl.json")
                 cmd = ["bench", "perplexity", "--model", model, "--text", TEXT, "--context", "512"]
                 cmd += ["--kv-cache-dtype", kv, "--attention-backend", backend, "--output-json", out]
@@ -174,7 +205,7 @@ def throughput(gguf: str, kv_gib: float, num_prompts: int, kv_dtypes: list[str])
 
 
 def markdown(results: dict) -> str:
-    lines = ["# kv_cache_dtype: float32 vs bfloat16 vs float16 vs float8 KV caches", ""]
+    lines = ["# kv_cache_dtype: float32 vs bfloat16 vs float16 vs float8 vs int8 KV caches", ""]
     m = results.get("machine", {})
     lines += [f"Machine: {m.get('cpu')}, {m.get('cores')} cores, flags {' '.join(m.get('flags', []))}.", ""]
     lines += ["Command:", "", "```", results.get("command", ""), "```", ""]
@@ -209,8 +240,10 @@ def plot(results: dict, path: str) -> None:
     if "attention" in results:
         rows = results["attention"]["rows"]
         panels.append(("decode attention, 16 x 8k context (ms)", {r["kv_dtype"]: r["ms"] for r in rows}))
-    for model in sorted({r["model"] for r in results.get("perplexity", {}).get("rows", [])}):
-        rows = [r for r in results["perplexity"]["rows"] if r["model"] == model and "no kernels" not in r["kv_dtype"]]
+    # every perplexity run's rows, each against the float32 cache of its own run
+    ppl = [r for part, d in results.items() if part.startswith("perplexity") for r in d["rows"]]
+    for model in sorted({r["model"] for r in ppl}):
+        rows = [r for r in ppl if r["model"] == model and "no kernels" not in r["kv_dtype"]]
         panels.append((f"perplexity vs float32 cache (%)\n{model}", {r["kv_dtype"]: r["vs_float32_pct"] for r in rows}))
     if not panels:
         return
@@ -231,21 +264,28 @@ def main() -> None:
     p.add_argument("--gguf", help="the 1.7B-shape Q4_K_M file (throughput)")
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="throughput: which caches, float32 first")
+    p.add_argument(
+        "--kv-dtypes", default=",".join(KV_DTYPES), help="perplexity, throughput: which caches, float32 first"
+    )
     args = p.parse_args()
     path = os.path.join(HERE, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
     results["machine"] = machine()
     shown = " ".join(a if "/" not in a or a.startswith("benchmarks") else "FILE" for a in sys.argv[1:])
     results["command"] = f"flock /tmp/pagedllm-bench.lock python3 benchmarks/results/kv_cache_dtype/measure.py {shown}"
+    kv_dtypes = args.kv_dtypes.split(",")
+    subset = "" if kv_dtypes == list(KV_DTYPES) else f" ({'+'.join(kv_dtypes)})"
     for part in args.parts:
         t = time.perf_counter()
         if part == "throughput":
-            results[part] = throughput(args.gguf, args.kv_gib, args.num_prompts, args.kv_dtypes.split(","))
+            key, data = part + subset, throughput(args.gguf, args.kv_gib, args.num_prompts, kv_dtypes)
+        elif part == "perplexity":
+            key, data = part + subset, perplexity(kv_dtypes)
         else:
-            results[part] = {"capacity": capacity, "attention": attention, "perplexity": perplexity}[part]()
-        results[part]["seconds"] = round(time.perf_counter() - t, 1)
-        print(json.dumps({part: results[part]}), flush=True)
+            key, data = part, {"capacity": capacity, "attention": attention}[part]()
+        data["seconds"] = round(time.perf_counter() - t, 1)
+        results[key] = data
+        print(json.dumps({key: data}), flush=True)
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     with open(os.path.join(HERE, "results.md"), "w") as fh:
