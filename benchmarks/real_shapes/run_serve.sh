@@ -9,6 +9,7 @@
 #   FILE          the GGUF file (default /tmp/real-shapes/smollm2-1.7b-random-Q4_K_M.gguf)
 #   OUT           raw results folder (default /tmp/real-shapes/serve); never inside the repository
 #   THREADS (2)   PROMPTS (200)   CONCURRENCY (64)   LOCK (/tmp/pagedllm-bench.lock)
+#   PYTHONPATH    as for run_baseline.sh's PAGEDLLM_SRC: a `git archive` of the commit to measure
 #
 # Both servers get the same KV room: CONCURRENCY x 288 tokens of context, 16-bit (llama-server
 # -c, f16 cache by default; pagedllm's kv_cache_dtype auto is float16 for GGUF models), and their
@@ -61,7 +62,7 @@ run_all() {
     echo "flags: $(grep -o -w 'avx2\|avx512[a-z_0-9]*\|amx[a-z_0-9]*\|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ')"
     echo "nproc: $(nproc)"
     echo "file: $FILE"
-    echo "pagedllm: $(git -C "$HERE" rev-parse --short HEAD)"
+    echo "pagedllm: $(python3 -c 'import pagedllm, os; print(os.path.dirname(os.path.dirname(pagedllm.__file__)))')"
     date -Is
   } > "$OUT/machine.txt"
 
