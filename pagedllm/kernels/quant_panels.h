@@ -100,8 +100,18 @@ inline void for_each_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int
   for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
     const int64_t n = std::min(kTile, g1 - t0);
     for (int64_t i = 0; i < n; ++i) decode(w + (t0 + i) * group_bytes, i);
+    // The next tile's weights stream into L2 while this one's panels run (compute-bound at few
+    // panels; decoding waits on memory otherwise): its bytes in one share per compute call.
+    const int64_t next = std::min(kTile, g1 - t0 - n), calls = count * n;
+    const char* ahead = reinterpret_cast<const char*>(w + (t0 + n) * group_bytes);
+    const int64_t lines = (next * group_bytes + 63) / 64, share = (lines + calls - 1) / calls;
+    int64_t sent = 0;
     for (int64_t p = 0; p < count; ++p)
-      for (int64_t i = 0; i < n; ++i) compute(p, i, t0 + i);
+      for (int64_t i = 0; i < n; ++i) {
+        for (const int64_t end = std::min(lines, sent + share); sent < end; ++sent)
+          _mm_prefetch(ahead + 64 * sent, _MM_HINT_T1);
+        compute(p, i, t0 + i);
+      }
   }
 }
 
