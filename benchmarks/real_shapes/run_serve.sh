@@ -81,7 +81,10 @@ run_all() {
   wait $sp 2> /dev/null || true
 
   echo "== llama-server $(date)"
+  # --threads-http: one HTTP thread per client (its default follows the core count; a first run with
+  # it failed 10 of 200 requests at once). It gives each slot at least 512 tokens of context anyway.
   "$LLAMACPP_BIN/llama-server" -m "$FILE" -t "$THREADS" -np "$CONCURRENCY" -fa on -c $((CONCURRENCY * 288)) \
+    --threads-http "$CONCURRENCY" \
     --host 127.0.0.1 --port 8022 --alias "$NAME" > "$OUT/llama-server.log" 2>&1 &
   sp=$!
   wait_up http://127.0.0.1:8022/health $sp
