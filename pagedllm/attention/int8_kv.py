@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 _ATTR = "int8_scales"
+SCALE_DTYPE = torch.float32  # of the scales; the C++ kernels read them as float (common.h)
 # below this a scale is not a normal float: the kernels may flush it to 0 (-ffast-math), so both
 # writers store such a head as zeros
 _TINY = torch.finfo(torch.float32).tiny
@@ -29,7 +30,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 def attach_scales(cache: torch.Tensor, scales: torch.Tensor) -> None:
     """Gives an int8 cache its scale tensor (shape ``cache.shape[:-1]``, float32)."""
-    assert cache.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == cache.shape[:-1]
+    assert cache.dtype == torch.int8 and scales.dtype == SCALE_DTYPE and scales.shape == cache.shape[:-1]
     setattr(cache, _ATTR, scales)
 
 
@@ -46,6 +47,11 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     live = (scale > 0).unsqueeze(-1)
     q = (x / torch.where(live, scale.unsqueeze(-1), 1.0)).round().clamp(-127, 127)  # round: to nearest even
     return torch.where(live, q, 0.0).to(torch.int8), scale
+
+
+def scale_bytes_per_row(dtype: torch.dtype) -> int:
+    """The scale bytes a cache of ``dtype`` keeps per row (token and KV head): int8's, else 0."""
+    return SCALE_DTYPE.itemsize if dtype == torch.int8 else 0
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import int8_kv
-from pagedllm.attention.int8_kv import cache_scales
 from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
 
 
@@ -37,7 +36,7 @@ def write_kv_cache(
     bs = k_cache.shape[2]
     blocks, offsets = slot_mapping // bs, slot_mapping % bs
     for x, cache in ((key, k_cache), (value, v_cache)):
-        scales = cache_scales(cache)
+        scales = int8_kv.cache_scales(cache)
         if scales is None:
             cache[blocks, :, offsets] = to_cache_dtype(x, cache.dtype)
         else:
@@ -204,7 +203,7 @@ def _prefill(q, key, value, k_cache, v_cache, p: PrefillSeq, scale: float, windo
 def _read(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The cache's blocks (indexed by ``blocks``, any shape) widened to ``dtype``, an int8 cache's
     values times their scales."""
-    scales = cache_scales(cache)
+    scales = int8_kv.cache_scales(cache)
     if scales is None:
         return cache[blocks].to(dtype)
     return int8_kv.dequantize(cache[blocks], scales[blocks], dtype)
@@ -212,7 +211,7 @@ def _read(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torc
 
 def _as_cached(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """t as the cache stores it, back in t's dtype (t itself when the dtypes agree)."""
-    if cache_scales(cache) is not None:
+    if int8_kv.cache_scales(cache) is not None:
         return int8_kv.round_trip(t)
     return t if cache.dtype == t.dtype else to_cache_dtype(t, cache.dtype).to(t.dtype)
 

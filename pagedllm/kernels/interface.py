@@ -46,8 +46,10 @@ def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
 
 def layer_scales(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """DecoderPlan.decode's ``kv_scales``: each layer's (K, V) scales for int8 caches, else empty."""
-    pairs = [kv_scales(k, v) for k, v in kv_caches]
-    return [] if not pairs or pairs[0][0] is None else pairs
+    # every layer's cache has one dtype: the first tells whether there are scales at all
+    if not kv_caches or cache_scales(kv_caches[0][0]) is None:
+        return []
+    return [kv_scales(k, v) for k, v in kv_caches]
 
 
 def _kv_refusal(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:

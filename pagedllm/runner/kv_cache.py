@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.int8_kv import attach_scales, cache_scales
+from pagedllm.attention.int8_kv import SCALE_DTYPE, attach_scales, cache_scales, scale_bytes_per_row
 from pagedllm.host_memory import empty_on_huge_pages
 
 GIB = 1 << 30
@@ -22,7 +22,7 @@ GIB = 1 << 30
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V of every layer, an int8 cache's float32 scales (one per token and head) included."""
-    per_row = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
+    per_row = head_dim * dtype.itemsize + scale_bytes_per_row(dtype)
     return 2 * num_layers * block_size * num_kv_heads * per_row
 
 
@@ -43,8 +43,8 @@ def allocate_kv_cache(
     # garbage would still poison the output.
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     # an int8 cache's scales: after every cache, in the same buffer
-    specs = [(shape, dtype)] * (2 * num_layers) + [(shape[:-1], torch.float32)] * (
-        2 * num_layers if dtype == torch.int8 else 0
+    specs = [(shape, dtype)] * (2 * num_layers) + [(shape[:-1], SCALE_DTYPE)] * (
+        2 * num_layers if scale_bytes_per_row(dtype) else 0
     )
     if torch.device(device).type == "cpu":
         tensors = _cpu_tensors_on_huge_pages(specs)
