@@ -87,14 +87,54 @@ def test_json_arguments_stream_as_written(name, text):
     assert len(last["early"]) >= len(last["arguments"]) - 4 and last["deltas"] > 2
 
 
-def test_qwen3_xml_call_opens_at_its_name_and_its_arguments_come_when_it_closes():
-    text = ALL_EXAMPLES[-2][1]  # two calls
+def test_qwen3_xml_arguments_stream_a_parameter_at_a_time():
+    text = ALL_EXAMPLES[-2][1]  # two calls, two parameters each
     plan = auto("qwen3_xml")
-    first_close = text.index("</tool_call>") + len("</tool_call>")
-    _, calls, _ = streamed(plan, text, [text.index("<function=add>") + 5, first_close])
-    assert [c["deltas"] for c in calls] == [1, 1]
-    _, calls, _ = streamed(plan, text, [first_close])
-    assert calls[0]["early"] and not calls[1]["early"]
+    first_param = text.index("</parameter>") + len("</parameter>")
+    _, calls, _ = streamed(plan, text, [text.index("<parameter=city>"), first_param])
+    assert calls[0]["early"] == '{"city": "São Paulo"'  # the closed parameter, nothing of the next
+    _, calls, _ = streamed(plan, text, range(len(text)))
+    assert [c["deltas"] for c in calls] == [3, 3]  # each parameter as it closes, then the brace
+    assert calls[0]["early"] == calls[0]["arguments"] == '{"city": "São Paulo", "unit": "c"}'
+
+
+def test_qwen3_xml_repeated_parameter_keeps_what_streamed():
+    param = "<parameter=a>\n{}\n</parameter>\n"
+    text = f"<tool_call>\n<function=add>\n{param.format(1)}{param.format(2)}</function>\n</tool_call>"
+    assert auto("qwen3_xml").calls_of(text)[1][0].arguments == '{"a": 1}'
+    check(auto("qwen3_xml"), text, every_chunking(text))
+
+
+def test_pythonic_arguments_stream_a_keyword_at_a_time():
+    text = "[get_weather(city='San Francisco', metric='celsius'), get_time(zone={'tz': 'PST, UTC-8'}, n=2)]"
+    _, calls, _ = streamed(auto("pythonic"), text, range(len(text)))
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [c["deltas"] for c in calls] == [2, 2]  # each keyword as its value ends
+    assert calls[1]["early"] == calls[1]["arguments"] == '{"zone": {"tz": "PST, UTC-8"}, "n": 2}'
+    cut = text.index(", metric")
+    _, calls, _ = streamed(auto("pythonic"), text, [cut + 1])
+    assert calls[0]["early"] == '{"city": "San Francisco"'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[f(a='x), g(b=1)')]",
+        '[f(a="""x),\ng(""", b=(1,\n2))]',
+        "[f(a=1, a=2)]",
+        "[f(1, a=2)]",
+        "[f(a=1)] and more",
+        "[f(a=open('x'))]",
+    ],
+)
+def test_pythonic_strings_and_bad_calls_stream_as_the_finished_text_says(text):
+    """A string holding call-like text opens no call; text that is not calls ends as content."""
+    plan = auto("pythonic")
+    if plan.calls_of(text)[1]:
+        check(plan, text, every_chunking(text))
+    else:
+        content, _, stream = streamed(plan, text, range(len(text)))
+        assert content == text and not stream.has_calls
 
 
 @pytest.mark.parametrize(("name", "text"), [(n, t) for n, texts in MALFORMED.items() for t in texts])

@@ -8,8 +8,8 @@ in their own events (serving_chat.py, responses_streaming.py, anthropic_streamin
 
 Where a call's arguments are a JSON object the model writes (hermes, llama3_json, mistral, a
 tool_choice "required" list) they stream as they are read, re-written as the finished call's are
-(json_stream.py); a named tool_choice's arguments are the text itself; other formats send a
-call's arguments whole when it closes (qwen3_xml) or the output ends (pythonic).
+(json_stream.py); a named tool_choice's arguments are the text itself; qwen3_xml and pythonic
+give theirs a parameter at a time, as each value ends (the start of the finished arguments text).
 
 The finished text decides (``ToolPlan.calls_of``): the calls and arguments not sent yet follow.
 A call sent that the finished text does not bear out (cut by max_tokens, malformed after it began)
@@ -141,8 +141,8 @@ class ToolCallStream:
             elif pc.args_at is not None:
                 sent.rewriter = sent.rewriter or JsonRewriter()
                 piece = sent.rewriter.feed(text[pc.args_at :])
-            elif pc.arguments is not None and not sent.arguments:
-                piece = pc.arguments
+            elif pc.arguments is not None and pc.arguments.startswith(sent.arguments):
+                piece = pc.arguments[len(sent.arguments) :]
             if piece:
                 sent.arguments += piece
                 deltas.append(CallDelta(i, piece))

@@ -1,6 +1,7 @@
 """The calls a partial output has begun, for streaming them (tool_streaming.py): a call is
 opened once its name is known; its arguments stream from where their JSON object begins
-(re-written as they are read, json_stream.py), or come whole once the call is complete.
+(re-written as they are read, json_stream.py), or as the format gives them: a growing start of
+the finished call's arguments text (all of it once the call is complete).
 
 What is found in a prefix of the text is found, the same, in every longer text (the patterns are
 anchored and end where the text fixes them), so a stream never has to take a call back unless
@@ -19,7 +20,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import JSON_ERRORS, loads
 class PartialCall:
     name: str
     args_at: int | None = None  # where its arguments object begins in the text (streamed as read)
-    arguments: str | None = None  # or its whole arguments, once the call is complete
+    arguments: str | None = None  # or its arguments text so far (whole once the call is complete)
     call_id: str | None = None  # the id the text gives it (Mistral's [CALL_ID])
     raw: bool = False  # the arguments are the text itself, not re-written (a named tool_choice)
 

@@ -11,7 +11,7 @@ the first is content::
 
 A parameter's value is text; it becomes the type the tool's JSON schema gives that parameter
 (integer, number, boolean, object, array, null), and stays a string where the schema says so,
-says nothing, or the text is not of that type.
+says nothing, or the text is not of that type. A parameter named twice keeps its first value.
 """
 
 from __future__ import annotations
@@ -108,27 +108,47 @@ def _properties(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]
     return {}
 
 
-def _call(block: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
-    m = _FUNCTION.fullmatch(block.strip() + "\n")
-    if m is None:
-        return None
-    name, body = m.group(1).strip(), m.group(2)
-    props = _properties(tools, name)
+def _parameters(body: str, props: dict[str, Any], closed_only: bool) -> tuple[dict[str, object], int] | None:
+    """The typed arguments of a function's ``body`` and where they end, or None if text stands
+    between parameters. ``closed_only``: only the parameters the text has closed (by their tag,
+    or the next one's opening), as a partial output's are. A repeated parameter keeps its first
+    value, so what streamed of a call never changes when its text goes on."""
     args: dict[str, object] = {}
     pos = 0
     for p in _PARAMETER.finditer(body):
         if p.start() != pos:  # text between parameters: not this format
             return None
+        if closed_only and not (body.endswith("</parameter>", 0, p.end()) or body.startswith("<parameter=", p.end())):
+            break
         pos = p.end()
         value = p.group(2)
         # The template writes each value on its own lines: one newline each side is the format's.
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
         key = p.group(1).strip()
-        args[key] = convert(value, props.get(key))
-    if body[pos:].strip():
+        if key not in args:
+            args[key] = convert(value, props.get(key))
+    return args, pos
+
+
+def _call(block: str, tools: list[dict[str, Any]] | None) -> ToolCall | None:
+    m = _FUNCTION.fullmatch(block.strip() + "\n")
+    if m is None:
         return None
-    return ToolCall(name, arguments_json(args))
+    name, body = m.group(1).strip(), m.group(2)
+    parsed = _parameters(body, _properties(tools, name), closed_only=False)
+    if parsed is None or body[parsed[1] :].strip():
+        return None
+    return ToolCall(name, arguments_json(parsed[0]))
+
+
+def _arguments_so_far(text: str, body_at: int, name: str, tools: list[dict[str, Any]] | None) -> str | None:
+    """The start of an open call's arguments text, up to its last closed parameter (None: none
+    closed yet, or the text is not this format): the finished call's arguments begin with it."""
+    parsed = _parameters(text[body_at:], _properties(tools, name), closed_only=True)
+    if not parsed or not parsed[0]:
+        return None
+    return arguments_json(parsed[0])[:-1]  # without the object's closing brace
 
 
 class Qwen3XmlToolParser(MarkedToolParser):
@@ -152,7 +172,8 @@ class Qwen3XmlToolParser(MarkedToolParser):
         return content or None, calls
 
     def partial_calls(self, text: str, tools: list[dict[str, Any]] | None = None) -> list[PartialCall]:
-        """A call opens at its function's name; its typed arguments come whole when it closes."""
+        """A call opens at its function's name; its typed arguments stream a parameter at a time,
+        as each closes."""
         calls: list[PartialCall] = []
         start = text.find(self.START)
         while start >= 0:
@@ -160,9 +181,13 @@ class Qwen3XmlToolParser(MarkedToolParser):
             m = _FUNCTION_OPEN.match(text, body)
             if m is None:
                 break
+            name = m.group(1).strip()
             end = text.find(self.END, m.end())
             if end < 0:
-                calls.append(PartialCall(m.group(1).strip()))
+                try:
+                    calls.append(PartialCall(name, arguments=_arguments_so_far(text, m.end(), name, tools)))
+                except ValueError:  # arguments JSON cannot carry: the finished text decides
+                    calls.append(PartialCall(name))
                 break
             try:
                 call = _call(text[body:end], tools)
