@@ -47,7 +47,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
-from pagedllm.host_memory import PeriodicHeapRelease
+from pagedllm.host_memory import PeriodicHeapRelease, release_freed_heap
+from pagedllm.kernels import release_kernel_scratch
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -58,6 +59,12 @@ logger = logging.getLogger("pagedllm.async_engine")
 OutputHook = Callable[[RequestOutput, float | None], None]
 # How stale the /metrics snapshot may get while the engine steps (Prometheus scrapes every 15 s or so).
 STATS_INTERVAL_S = 1.0
+
+
+def release_idle_memory() -> bool:
+    """The kernels' idle output buffers, then the heap's free pages, back to the OS."""
+    release_kernel_scratch()  # first: their buffers go back to the heap that the trim then returns
+    return release_freed_heap()
 
 
 class AsyncLLMEngine:
@@ -79,7 +86,7 @@ class AsyncLLMEngine:
         self.num_step_errors = 0  # steps that raised, retries included
         self.consecutive_step_failures = 0  # failed (non-retry) steps since the last good step
         self.max_step_failures = 3
-        self.heap_release = PeriodicHeapRelease()
+        self.heap_release = PeriodicHeapRelease(release=release_idle_memory)
         # Called (from the engine thread) when the thread dies of an exception, not on shutdown().
         self.on_dead: Callable[[BaseException], None] | None = None
 

@@ -35,6 +35,12 @@ def load_cpu_kernels(level: str | None = None) -> CpuKernels | None:
         return _modules[level]
 
 
+def release_kernel_scratch() -> int:
+    """Frees the idle output buffers of every kernel build loaded so far (none is built for it);
+    returns their bytes."""
+    return sum(k.release_scratch() for k in list(_modules.values()) if k is not None)
+
+
 def _load(level: str) -> CpuKernels | None:
     from pagedllm.kernels.build import load_level
 

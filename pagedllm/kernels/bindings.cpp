@@ -66,5 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T with W interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K (int8 activation blocks) or Q8_0 "
         "(int16) groups");
   m.def("compiled_isa", &compiled_isa, "the instruction-set features this build was compiled with");
+  m.def("release_scratch", &release_scratch, "frees the idle buffers of the kernels' output pool; returns their bytes");
+  m.def("scratch_idle_bytes", &scratch_idle_bytes, "bytes of the kernels' idle output buffers");
   bind_decoder_plan(m);
 }

@@ -96,7 +96,7 @@ class DecoderPlan {
       if (!kv_scales.empty()) std::tie(ks, vs) = kv_scales[l];
       rope_and_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads_, num_kv_heads_, ks, vs);
       torch::Tensor q = qkv.narrow(1, 0, qs).view({t, num_heads_, head_dim_});
-      torch::Tensor o = torch::empty({t, num_heads_, head_dim_}, q.options());
+      torch::Tensor o = scratch_empty({t, num_heads_, head_dim_}, q.options());
       paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale_, windows_[l], ks, vs);
       h = add_rms_norm(run(p[1], o.view({t, qs})), residual, norms_[2 * l], eps_[2 * l]);
       torch::Tensor m = run(p[3], silu_and_mul(run(p[2], h)));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.h"
+#include "scratch_buffers.h"
 
 #include <string>
 

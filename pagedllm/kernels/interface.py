@@ -66,6 +66,15 @@ class CpuKernels:
         or "portable")."""
         return self._m.compiled_isa()
 
+    def release_scratch(self) -> int:
+        """Frees the idle buffers the kernels keep for their large float32 outputs
+        (scratch_buffers.h: recycled, not unmapped and faulted in again each layer); their bytes."""
+        return self._m.release_scratch()
+
+    def scratch_idle_bytes(self) -> int:
+        """Bytes of those idle buffers."""
+        return self._m.scratch_idle_bytes()
+
     # ---- what the kernels take ------------------------------------------------------------
     # The kernels refuse shapes they do not handle with a TORCH_CHECK, which would fail every step
     # of a model of that shape. These say so up front, so the engine decides once at load which

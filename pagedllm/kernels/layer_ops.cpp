@@ -8,6 +8,7 @@
 // differ in the last bits only (exp / division approximations, summation order).
 #include "common.h"
 #include "kv_rows.h"
+#include "scratch_buffers.h"
 
 #include <algorithm>
 #include <cmath>
@@ -175,7 +176,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
                   gate_up.size(1) % 2 == 0,
               "silu_and_mul: [T, 2I] bfloat16 or float32 with contiguous rows");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = dt == torch::kFloat ? scratch_empty({T, I}, gate_up.options()) : torch::empty({T, I}, gate_up.options());
   const int64_t stride = gate_up.stride(0);
   if (dt == torch::kFloat) {
     silu_and_mul_f32(gate_up.data_ptr<float>(), stride, out.data_ptr<float>(), T, I);
@@ -248,7 +249,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
               "add_rms_norm: contiguous [T, hidden] tensors of one shape");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "add_rms_norm: weight [hidden]");
   if (dt == torch::kFloat) {
-    auto out = torch::empty_like(x);
+    auto out = scratch_empty(x.sizes(), x.options());
     add_rms_norm_f32(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
                      x.size(0), x.size(1), static_cast<float>(eps));
     return out;

@@ -482,7 +482,7 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   TORCH_CHECK(K % f.block_elems == 0 && w.size(1) == K / f.block_elems * f.block_bytes,
               "quant_gemm: weight row bytes do not match K = ", K);
   const int64_t nb = K / 32;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = scratch_empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
   // Activations: quantized once, shared by every thread. Scratch is per thread and kept between

@@ -370,7 +370,7 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   ilv::check_weight(w, format, K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = scratch_empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
   const uint8_t* wp = w.data_ptr<uint8_t>();

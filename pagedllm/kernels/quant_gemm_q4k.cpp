@@ -260,7 +260,7 @@ torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % q4k::kSuper == 0 && w.size(1) * q4k::kRows == K / q4k::kSuper * q4k::kGroupBytes,
               "Q4_K quant_gemm: weight row bytes do not match K = ", K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = scratch_empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto act = ilv::quantize_activations<int8_t, 127>(x.data_ptr<float>(), M, K, true);
   const uint8_t* wp = w.data_ptr<uint8_t>();

@@ -270,7 +270,7 @@ torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % q6k::kSuper == 0 && w.size(1) == K / q6k::kSuper * q6k::kFileBytes,
               "Q6_K quant_gemm: weight row bytes do not match K = ", K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = scratch_empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto act = ilv::quantize_activations<int8_t, 127>(x.data_ptr<float>(), M, K, false);
   static thread_local std::vector<int32_t> sums;
