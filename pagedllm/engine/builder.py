@@ -26,8 +26,7 @@ from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.scheduler import Scheduler
-from pagedllm.spec_decode.draft_load import draft_engine_config, load_draft_model
-from pagedllm.spec_decode.draft_model import DraftProposer
+from pagedllm.spec_decode.draft_load import attach_draft, load_draft_model
 from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -235,9 +234,7 @@ def _build_parts(config: EngineConfig, executor) -> EngineParts:
     scheduler = Scheduler(config, kv_manager, loaded.max_model_len)
     runner = build_runner(config, loaded, num_kv_blocks, num_swap_blocks)
     if draft is not None:
-        draft_runner = build_runner(draft_engine_config(config, loaded.max_model_len), draft, num_kv_blocks, 0)
-        draft_runner.block_tables = runner.block_tables  # the target's block ids address both caches
-        runner.drafter = DraftProposer(draft_runner)
+        attach_draft(config, runner, loaded.max_model_len, draft, num_kv_blocks)
     if executor is not None:
         runner = executor.start_steps(runner, num_kv_blocks, num_swap_blocks)
     return EngineParts(

@@ -20,6 +20,7 @@ from pagedllm.config import EngineConfig
 
 if TYPE_CHECKING:
     from pagedllm.engine.builder import LoadedModel
+    from pagedllm.runner.model_runner import ModelRunner
 
 
 def draft_engine_config(config: EngineConfig, max_model_len: int) -> EngineConfig:
@@ -69,3 +70,16 @@ def load_draft_model(config: EngineConfig, target: LoadedModel, target_tokenizer
                 "ids would be other tokens."
             )
     return draft
+
+
+def attach_draft(
+    config: EngineConfig, runner: ModelRunner, max_model_len: int, draft: LoadedModel, num_blocks: int
+) -> None:
+    """Gives ``runner`` (the target's) a proposer over ``draft`` with a cache of ``num_blocks``
+    blocks, addressed by the target runner's block tables."""
+    from pagedllm.engine.builder import build_runner
+    from pagedllm.spec_decode.draft_model import DraftProposer
+
+    draft_runner = build_runner(draft_engine_config(config, max_model_len), draft, num_blocks, 0)
+    draft_runner.block_tables = runner.block_tables  # the target's block ids address both caches
+    runner.drafter = DraftProposer(draft_runner)
