@@ -15,6 +15,7 @@ import torch
 from test_spec_decode import (
     LOOPING,
     NEW_TOKENS,
+    PROMPTS,
     assert_all_blocks_free,
     assert_drafts_accepted_and_rejected,
     assert_keeps_the_distribution,
@@ -85,8 +86,19 @@ def test_draft_equal_to_the_target_accepts_every_draft(tiny_llama, baseline):
 
 
 def test_chunked_prefill_and_small_step_budget(tiny_llama, baseline):
+    """A budget of 6 tokens: the target's prompts run in chunks, and so do the draft's catch-ups."""
     llm = make_llm(tiny_llama, max_num_batched_tokens=6, speculative_config=draft(tiny_llama))
+    draft_runner = llm.llm_engine.runner.drafter.runner
+    chunks: list[int] = []
+    run = draft_runner.greedy_tokens
+
+    def recording(sched):
+        chunks.extend(sched.num_scheduled_tokens.values())
+        return run(sched)
+
+    draft_runner.greedy_tokens = recording
     assert generate(llm)[0] == baseline
+    assert max(chunks) == 6 and chunks.count(6) >= len(PROMPTS)  # each prompt caught up in chunks
     assert_all_accepted(llm)
     assert_all_blocks_free(llm)
 
@@ -246,7 +258,7 @@ def test_copy_on_write_copies_the_draft_cache_too():
     for i, (k, v) in enumerate(caches):
         k[1].fill_(i + 1.0)
         v[1].fill_(-(i + 1.0))
-    proposer = DraftProposer(SimpleNamespace(kv_caches=caches))
+    proposer = DraftProposer(SimpleNamespace(kv_caches=caches), max_chunk=16)
     proposer.apply_copies([BlockOp("copy", [(1, 3)]), BlockOp("swap_out", [(1, 0)]), BlockOp("swap_in", [(0, 2)])])
     for i, (k, v) in enumerate(caches):
         assert torch.equal(k[3], k[1]) and torch.equal(v[3], v[1]) and float(k[3].max()) == i + 1.0

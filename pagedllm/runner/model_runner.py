@@ -229,7 +229,10 @@ class ModelRunner:
         """Runs ``sched``'s tokens (no block ops, no state updates, no drafts) and returns the argmax
         next token of each sequence that reached its last known token: a draft model's proposals."""
         input_ids, positions, meta, sample_rows, sampling, _ = self._prepare(sched, {})
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)[sample_rows]
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampling:  # chunks short of their sequences' last tokens: K/V written, nothing to draft
+            return {}
+        hidden = hidden[sample_rows]
         ids = self.model.greedy_tokens(hidden)
         if ids is None:
             ids = self.model.compute_logits(hidden).argmax(dim=-1)

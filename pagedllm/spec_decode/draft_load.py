@@ -82,4 +82,4 @@ def attach_draft(
 
     draft_runner = build_runner(draft_engine_config(config, max_model_len), draft, num_blocks, 0)
     draft_runner.block_tables = runner.block_tables  # the target's block ids address both caches
-    runner.drafter = DraftProposer(draft_runner)
+    runner.drafter = DraftProposer(draft_runner, config.max_num_batched_tokens)

@@ -6,11 +6,13 @@ both caches, and copy-on-write, prefix caching and lookahead slots need no bookk
 own (block copies are replayed on the draft's cache too; swaps are not: see below).
 
 Each sequence keeps how many of its tokens the draft has computed. In a step where it speculates,
-the draft first runs the tokens it has not seen (the whole prompt the first time, the last one or
-two accepted tokens afterwards), then k - 1 single-token steps, each time taking its argmax: the
-drafts are a deterministic proposal (q = a point mass), so greedy verification and the rejection
-sampler (rejection.py) keep the target's output exactly. The work is batched over every
-speculating sequence of the step: one draft forward per draft position.
+the draft first runs the tokens it has not seen (the whole prompt the first time, in chunks of
+max_num_batched_tokens as its prefill was; the last one or two accepted tokens afterwards), then
+k - 1 single-token steps, each time taking its argmax: the drafts are a deterministic proposal
+(q = a point mass), so greedy verification and the rejection sampler (rejection.py) keep the
+target's output exactly. The work is batched over every speculating sequence of the step: one
+draft forward per draft position. The draft's tokens do not count in the step's token budget
+(max_num_batched_tokens is the target's).
 
 The draft's K/V only ever affects which drafts are accepted, never the output (the target verifies
 every one), so whenever it may be stale the count just starts over and the draft catches up:
@@ -46,10 +48,12 @@ class _DraftView:
 
 
 class DraftProposer:
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, max_chunk: int) -> None:
         """``runner``: a ModelRunner over the draft model and its caches, sharing the target
-        runner's BlockTables."""
+        runner's BlockTables. ``max_chunk``: the most tokens of one sequence a draft forward runs
+        (the engine's max_num_batched_tokens: a long prompt's catch-up is chunked as its prefill was)."""
         self.runner = runner
+        self.max_chunk = max_chunk
         self.num_computed: dict[str, int] = {}  # seq id -> tokens whose draft K/V is valid
 
     def forget(self, seq_id: str) -> None:
@@ -77,6 +81,7 @@ class DraftProposer:
         drafts: dict[str, list[int]] = {sid: [] for sid in num_drafts}
         self.runner.states = views
         try:
+            self._catch_up(views)
             for step in range(max(num_drafts.values(), default=0)):
                 active = [sid for sid, k in num_drafts.items() if k > step]
                 sched = SchedulerOutput(
@@ -92,3 +97,15 @@ class DraftProposer:
         for sid, view in views.items():
             self.num_computed[sid] = view.num_computed_tokens
         return drafts
+
+    def _catch_up(self, views: dict[str, _DraftView]) -> None:
+        """Runs chunks of ``max_chunk`` tokens until every sequence has at most that many left
+        (none of these chunks reaches its last token, so none drafts)."""
+        while True:
+            behind = {sid: v.num_tokens - v.num_computed_tokens for sid, v in views.items()}
+            chunks = {sid: self.max_chunk for sid, n in behind.items() if n > self.max_chunk}
+            if not chunks:
+                return
+            self.runner.greedy_tokens(SchedulerOutput(num_scheduled_tokens=chunks))
+            for sid, n in chunks.items():
+                views[sid].num_computed_tokens += n
