@@ -1,5 +1,5 @@
-"""Which sequences speculate in a step, with how many drafts (n-gram: which drafts; a draft model's
-the runner proposes), and the counters of what came of it.
+"""Which sequences speculate in a step, with how many drafts (n-gram: which drafts; with a draft
+model only how many: the runner's draft model proposes them), and the counters of what came of it.
 
 A sequence speculates only where the target's token at each drafted position is decided by that
 position's logits alone, the same as without speculation:
