@@ -102,8 +102,8 @@ class EngineConfig:
     # unauthenticated (docs/scaling.md). None: ranks must all run on the driver's node, and
     # everything they listen on is bound to loopback.
     distributed_interface: str | None = None
-    # Speculative decoding (vLLM's dict, or its JSON text): n-gram prompt lookup, see
-    # spec_decode/config.py for the keys; None: off.
+    # Speculative decoding (vLLM's dict, or its JSON text): n-gram prompt lookup or a draft model,
+    # see spec_decode/config.py for the keys; None: off.
     speculative_config: dict | None = None
     # Accepted, no effect: vLLM's switch to skip CUDA graph capture; pagedllm runs eagerly always.
     enforce_eager: bool = False
@@ -173,6 +173,11 @@ class EngineConfig:
         if self.kv_layout != "paged":
             raise ValueError(
                 "speculative_config needs kv_layout='paged': rejected drafts give their slots back block by block."
+            )
+        if spec.uses_draft_model and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: a draft model with tensor_parallel_size > 1 is not supported: the draft "
+                "would run on every rank (use n-gram speculation, or tensor_parallel_size=1)."
             )
 
     @property

@@ -346,7 +346,7 @@ class Scheduler:
         slots of the drafts not kept go back."""
         for seq_id, n in out.num_scheduled_tokens.items():
             seq = self.seqs.get(seq_id)
-            if seq is None or seq_id in out.spec_token_ids:
+            if seq is None or out.num_drafts(seq_id) is not None:
                 continue
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)  # before the release: released full blocks stay cached
@@ -363,7 +363,7 @@ class Scheduler:
             end = i + 1
             while end < len(rows) and rows[end] == rows[i]:
                 end += 1
-            drafts = out.spec_token_ids.get(seq.seq_id)
+            num_drafts = out.num_drafts(seq.seq_id)
             kept = 0
             for row in range(i, end):
                 tok = sampled.token_ids[row]
@@ -378,8 +378,8 @@ class Scheduler:
                 results.append(SampledToken(seq, tok, lp, top, seq.auto_append, status, index))
                 if status is not None:
                     break  # a stop inside an accepted run: the tokens after it are not kept
-            if drafts is not None:  # the slots past the tokens kept go back, the runner's too
-                self.runner_sync.truncated(seq.seq_id, self.spec.verified(seq, self.kv, len(drafts), end - i - 1, kept))
+            if num_drafts is not None:  # the slots past the tokens kept go back, the runner's too
+                self.runner_sync.truncated(seq.seq_id, self.spec.verified(seq, self.kv, num_drafts, end - i - 1, kept))
             i = end
         for r in results:
             if r.finished is not None:
@@ -391,7 +391,7 @@ class Scheduler:
         they are sent whole next time (computed counts did not advance), and the lookahead slots of
         its drafts go back."""
         self.runner_sync.step_failed(out)
-        for seq_id in out.spec_token_ids:
+        for seq_id in out.speculating_seq_ids:
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.status == SequenceStatus.RUNNING:
                 self.kv.trim_to_computed(seq)

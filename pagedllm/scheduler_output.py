@@ -72,8 +72,21 @@ class SchedulerOutput:
     # seq id -> draft tokens it runs after its last token (speculative decoding): such a sequence
     # runs 1 + len(drafts) positions, and every one of them gives a target token.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # seq id -> how many drafts the draft model proposes for it this step (draft-model
+    # speculation): the runner runs the draft model first, then verifies its drafts as above. The
+    # scheduler cannot know them: the draft model runs where the caches are.
+    num_model_drafts: dict[str, int] = field(default_factory=dict)
     # Set by the engine core after scheduling when sequences with structured outputs sample.
     grammar_bitmask: GrammarBitmask | None = None
+
+    def num_drafts(self, seq_id: str) -> int | None:
+        """How many drafts ``seq_id`` runs after its last token this step; None: it does not speculate."""
+        drafts = self.spec_token_ids.get(seq_id)
+        return len(drafts) if drafts is not None else self.num_model_drafts.get(seq_id)
+
+    @property
+    def speculating_seq_ids(self) -> list[str]:
+        return [*self.spec_token_ids, *self.num_model_drafts]
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -217,15 +217,23 @@ def test_sampled_distribution_matches_without_speculation(tiny_llama):
     fixed, so the test is deterministic; a correct sampler passes it unless the draws happen to
     land in the 0.1% tail, a wrong one (drafts accepted whenever they are in the top 3, say)
     moves mass by far more than that."""
+    llm = make_llm(tiny_llama, speculative_config=NGRAM, num_kv_blocks=1024)
+    assert_keeps_the_distribution(tiny_llama, llm)
+    assert_drafts_accepted_and_rejected(llm)
+    assert_all_blocks_free(llm)
+
+
+def sampled_params(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=seed)
+
+
+def assert_keeps_the_distribution(model: str, llm: LLM) -> None:
+    """``llm``'s (speculating) sampled outputs against ``model``'s without speculation: a
+    chi-square test of homogeneity, as test_sampled_distribution_matches_without_speculation says."""
     from scipy.stats import chi2_contingency
 
-    def params_of(seed: int) -> SamplingParams:
-        return SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=seed)
-
-    kwargs = dict(num_kv_blocks=1024)
-    plain = sample_counts(make_llm(tiny_llama, **kwargs), params_of, 0)
-    llm = make_llm(tiny_llama, speculative_config=NGRAM, **kwargs)
-    spec = sample_counts(llm, params_of, NUM_SAMPLES)  # other seeds: independent samples
+    plain = sample_counts(make_llm(model, num_kv_blocks=1024), sampled_params, 0)
+    spec = sample_counts(llm, sampled_params, NUM_SAMPLES)  # other seeds: independent samples
     outcomes = sorted(set(plain) | set(spec))
     big = [o for o in outcomes if plain.get(o, 0) + spec.get(o, 0) >= 10]
     table = [[c.get(o, 0) for o in big] + [sum(c.get(o, 0) for o in outcomes if o not in big)] for c in (plain, spec)]
@@ -233,8 +241,6 @@ def test_sampled_distribution_matches_without_speculation(tiny_llama):
     assert len(table) >= 4  # enough outcomes for the test to mean something
     p_value = chi2_contingency(list(zip(*table, strict=True)))[1]
     assert p_value > 0.001, (p_value, table)
-    assert_drafts_accepted_and_rejected(llm)
-    assert_all_blocks_free(llm)
 
 
 def test_sampled_speculation_is_reproducible_per_seed(tiny_llama):
@@ -286,6 +292,13 @@ def test_no_block_leaks_with_rejections_and_aborts(tiny_llama, seed):
     """Random arrivals (n of 1 or 2), aborts and steps on a small cache with prefix caching and
     preemption: after every step the manager's refcounts match the tables, no running sequence
     holds a lookahead block past its next token, and once all is done every block is free."""
+    llm = run_random_workload(tiny_llama, NGRAM, seed)
+    assert_drafts_accepted_and_rejected(llm)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def run_random_workload(model: str, spec: dict, seed: int) -> LLM:
+    """The workload of test_no_block_leaks_with_rejections_and_aborts, checked as it says."""
     import random
 
     from pagedllm.utils import cdiv
@@ -293,7 +306,7 @@ def test_no_block_leaks_with_rejections_and_aborts(tiny_llama, seed):
     rng = random.Random(seed)
     mode = ("recompute", "swap")[seed % 2]
     llm = make_llm(
-        tiny_llama, num_kv_blocks=24, block_size=4, preemption_mode=mode, num_swap_blocks=32, speculative_config=NGRAM
+        model, num_kv_blocks=24, block_size=4, preemption_mode=mode, num_swap_blocks=32, speculative_config=spec
     )
     engine = llm.llm_engine
     kv, sched = engine.kv_manager, engine.scheduler
@@ -322,8 +335,7 @@ def test_no_block_leaks_with_rejections_and_aborts(tiny_llama, seed):
         engine.step()
         check()
     assert_all_blocks_free(llm)
-    assert_drafts_accepted_and_rejected(llm)
-    assert sched.num_preemptions > 0
+    return llm
 
 
 def test_default_model_greedy_identity():

@@ -20,14 +20,17 @@ def test_ngram_config_and_defaults():
     spec = parse_speculative_config({"num_speculative_tokens": 2, "disable_by_batch_size": 8})
     assert spec == SpeculativeConfig(2, 5, 5, 8)  # vLLM's window when neither bound is given
     assert EngineConfig().speculative is None
+    draft = parse_speculative_config({"model": "some/draft", "num_speculative_tokens": 3, "quantization": "none"})
+    assert draft == SpeculativeConfig(3, method="draft_model", model="some/draft", quantization=None)
 
 
 @pytest.mark.parametrize(
     "value,needle",
     [
-        ({"model": "some/draft", "num_speculative_tokens": 3}, "draft models"),
+        ({"model": "some/draft", "num_speculative_tokens": 3, "method": "ngram"}, "model not supported"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle'"),
         ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel"),
+        ({"model": "some/draft", "num_speculative_tokens": 3, "prompt_lookup_min": 2}, "prompt_lookup_min"),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),

@@ -1,6 +1,6 @@
 """The server with --speculative-config: the same greedy completions as the offline engine without
-speculation (whole and streamed), the counters on /metrics under vLLM's names, and a config it
-cannot honour stops it at start-up with the reason."""
+speculation (whole and streamed; n-gram and a draft model), the counters on /metrics under vLLM's
+names, and a config it cannot honour stops it at start-up with the reason."""
 
 from __future__ import annotations
 
@@ -69,7 +69,32 @@ def spec_samples(server: ServerProcess) -> dict[str, str]:
 
 def test_unsupported_config_stops_the_server_at_start_up(tiny_llama):
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", tiny_llama, "--port", "0"]
-    cmd += ["--speculative-config", json.dumps({"model": "draft", "num_speculative_tokens": 3})]
+    config = {"model": "draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}
+    cmd += ["--speculative-config", json.dumps(config)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert "draft models ('model') are not supported yet" in done.stdout + done.stderr
+    assert "draft_tensor_parallel_size=2 is not supported" in done.stdout + done.stderr
+
+
+def test_draft_model_server(tiny_llama, tmp_path):
+    """--speculative-config with a draft model (the target itself: every draft is accepted)."""
+    config = {"model": tiny_llama, "num_speculative_tokens": 3}
+    log = str(tmp_path / "server.log")
+    srv = ServerProcess(tiny_llama, log, "--metrics-prefix", "vllm", "--speculative-config", json.dumps(config))
+    try:
+        plain = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=256).generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+        body = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in choices] == [o.outputs[0].text for o in plain]
+        samples = spec_samples(srv)
+        value = {k.split("{")[0]: float(v) for k, v in samples.items() if "per_pos" not in k}
+        assert value["vllm:spec_decode_num_drafts_total"] > 0
+        assert value["vllm:spec_decode_num_accepted_tokens_total"] == value["vllm:spec_decode_num_draft_tokens_total"]
+    finally:
+        srv.stop()

@@ -26,6 +26,7 @@ from pagedllm.models.plain_config import PlainLlamaConfig
 from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.scheduler import Scheduler
+from pagedllm.spec_decode.draft_load import attach_draft, load_draft_model
 from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -49,8 +50,9 @@ class EngineParts:
     kv_manager: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner  # or a TensorParallelRunner (parallel/worker.py): the same execute()
-    kv_bytes_per_block: int  # this rank's (its KV heads only under tensor parallelism)
+    kv_bytes_per_block: int  # this rank's (its KV heads only under tensor parallelism), a draft's included
     kv_dtype: torch.dtype  # of the KV cache
+    draft_kv_bytes_per_block: int = 0  # of kv_bytes_per_block, the draft model's cache (speculative_config)
 
 
 @dataclass
@@ -177,7 +179,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         raise
     logger.info(
         "pagedllm: %s (%s) on %s, %s%s; KV cache %s, %d blocks x %d tokens = %d tokens (%.2f GiB, "
-        "%d bytes per token), max_model_len %d; ready in %.1fs",
+        "%d bytes per token%s), max_model_len %d; ready in %.1fs",
         parts.model_path,
         type(parts.model).__name__,
         parts.device,
@@ -189,6 +191,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         parts.num_kv_blocks * config.block_size,
         parts.num_kv_blocks * parts.kv_bytes_per_block / 2**30,
         parts.kv_bytes_per_block // config.block_size,
+        f", of them {parts.draft_kv_bytes_per_block // config.block_size} the draft model's"
+        if parts.draft_kv_bytes_per_block
+        else "",
         parts.max_model_len,
         time.perf_counter() - t0,
     )
@@ -217,14 +222,19 @@ def _build_parts(config: EngineConfig, executor) -> EngineParts:
         release_freed_heap()  # before the KV cache: what loading freed goes back to the OS
 
     # Under tensor parallelism: this rank's KV heads; every rank holds as many blocks.
-    per_block = kv_bytes_per_block(
-        len(model.layers), config.block_size, model.num_kv_heads, model.head_dim, loaded.kv_dtype
-    )
-    num_kv_blocks = _num_kv_blocks(config, per_block, device)
+    per_block = _bytes_per_block(config, loaded)
+    draft = None
+    if config.speculative is not None and config.speculative.uses_draft_model:
+        draft = load_draft_model(config, loaded, tokenizer)
+    # A draft model's cache has a block for each of the target's (same ids): both count in the budget.
+    draft_per_block = _bytes_per_block(config, draft) if draft is not None else 0
+    num_kv_blocks = _num_kv_blocks(config, per_block + draft_per_block, device)
     kv_manager = make_kv_manager(config, num_kv_blocks, loaded.max_model_len, release_window(loaded.hf_config))
     num_swap_blocks = _enable_swap(config, kv_manager, per_block)
     scheduler = Scheduler(config, kv_manager, loaded.max_model_len)
     runner = build_runner(config, loaded, num_kv_blocks, num_swap_blocks)
+    if draft is not None:
+        attach_draft(config, runner, loaded.max_model_len, draft, num_kv_blocks)
     if executor is not None:
         runner = executor.start_steps(runner, num_kv_blocks, num_swap_blocks)
     return EngineParts(
@@ -244,9 +254,15 @@ def _build_parts(config: EngineConfig, executor) -> EngineParts:
         kv_manager,
         scheduler,
         runner,
-        per_block,
+        per_block + draft_per_block,
         loaded.kv_dtype,
+        draft_per_block,
     )
+
+
+def _bytes_per_block(config: EngineConfig, loaded: LoadedModel) -> int:
+    model = loaded.model
+    return kv_bytes_per_block(len(model.layers), config.block_size, model.num_kv_heads, model.head_dim, loaded.kv_dtype)
 
 
 def tokenizer_path(config: EngineConfig, model_path: str) -> str:

@@ -238,7 +238,12 @@ class LLMEngine:
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_kv_blocks": self.kv_manager.num_free_blocks(),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "kv_cache_bytes": self.num_kv_blocks * self.kv_bytes_per_block,
+            "kv_cache_bytes": self.num_kv_blocks * self.kv_bytes_per_block,  # a draft model's included
+            **(
+                {"draft_kv_cache_bytes": self.num_kv_blocks * self.parts.draft_kv_bytes_per_block}
+                if self.parts.draft_kv_bytes_per_block
+                else {}
+            ),
             "kv_slots_total": kv.total,
             "kv_slots_reserved": kv.reserved,
             "kv_slots_used": kv.used,

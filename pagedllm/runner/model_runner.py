@@ -8,7 +8,7 @@ SchedulerOutput says, from the state that output (and the ones before it) gave i
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -23,6 +23,9 @@ from pagedllm.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, Sc
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.verify import keep_accepted
 from pagedllm.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.draft_model import DraftProposer
 
 logger = logging.getLogger("pagedllm")
 
@@ -75,6 +78,8 @@ class ModelRunner:
         self.prefill_as_decode_rows = False
         if kernels is not None and kv_caches:
             self._choose_attention_kernels(kernels, kv_caches[0][0], block_size)
+        # The draft model's proposer (spec_decode/draft_model.py) when the engine speculates with one.
+        self.drafter: DraftProposer | None = None
 
     def _choose_attention_kernels(self, kernels: CpuKernels, k_cache: torch.Tensor, block_size: int) -> None:
         """The compiled attention kernels this model's caches can use, decided once here: a kernel
@@ -105,13 +110,16 @@ class ModelRunner:
         self.update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput.empty()
-        input_ids, positions, meta, sample_rows, sampling, prompt_runs = self._prepare(sched)
+        spec = sched.spec_token_ids
+        if sched.num_model_drafts:
+            assert self.drafter is not None, "draft-model drafts scheduled without a draft model"
+            spec = {**spec, **self.drafter.propose(self.states, sched.num_model_drafts)}
+        input_ids, positions, meta, sample_rows, sampling, prompt_runs = self._prepare(sched, spec)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         prompt_lps = self._prompt_logprobs(hidden, prompt_runs) if prompt_runs else {}
         if not sampling:
             return ModelRunnerOutput([], [], [], [], prompt_lps)
         hidden = hidden[sample_rows]
-        spec = sched.spec_token_ids
         drawn_rows = [i for i, s in enumerate(sampling) if s.seq_id in spec and not s.sampling_params.greedy]
         drawn = None
         if drawn_rows:  # speculating sequences that sample: rejection sampling, apart
@@ -181,12 +189,17 @@ class ModelRunner:
 
     def update_states(self, sched: SchedulerOutput) -> None:
         """Brings the runner's sequences and block tables up to date with the scheduler's view."""
+        # A sequence whose blocks are gone or moved has no draft K/V to trust.
+        forget = self.drafter.forget if self.drafter is not None else lambda seq_id: None
         for seq_id in sched.finished_seq_ids:
             self.states.pop(seq_id, None)
             self.block_tables.remove(seq_id)
+            forget(seq_id)
         for seq_id in sched.preempted_seq_ids:
             self.block_tables.remove(seq_id)  # its generator stays: it draws on when it is back
+            forget(seq_id)
         for new in sched.new_seqs:
+            forget(new.seq_id)
             state = self.states.get(new.seq_id)
             if state is None:
                 prompt = new.token_ids[: new.num_prompt_tokens]
@@ -208,8 +221,24 @@ class ModelRunner:
         """Copy-on-write copies and swaps the scheduler recorded, before the forward writes anything."""
         if sched.block_ops:
             apply_block_ops(sched.block_ops, self.kv_caches, self.host_kv_caches)
+            if self.drafter is not None:
+                self.drafter.apply_copies(sched.block_ops)
 
-    def _prepare(self, sched: SchedulerOutput):
+    @torch.inference_mode()
+    def greedy_tokens(self, sched: SchedulerOutput) -> dict[str, int]:
+        """Runs ``sched``'s tokens (no block ops, no state updates, no drafts) and returns the argmax
+        next token of each sequence that reached its last known token: a draft model's proposals."""
+        input_ids, positions, meta, sample_rows, sampling, _ = self._prepare(sched, {})
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampling:  # chunks short of their sequences' last tokens: K/V written, nothing to draft
+            return {}
+        hidden = hidden[sample_rows]
+        ids = self.model.greedy_tokens(hidden)
+        if ids is None:
+            ids = self.model.compute_logits(hidden).argmax(dim=-1)
+        return {s.seq_id: int(t) for s, t in zip(sampling, ids.tolist(), strict=True)}
+
+    def _prepare(self, sched: SchedulerOutput, spec: dict[str, list[int]]):
         bs = self.block_size
         dev = self.device
         tables = self.block_tables
@@ -260,7 +289,7 @@ class ModelRunner:
             end = start + n
             row = tables.table[tables.row(s.seq_id)]
             q_start = len(tokens)
-            drafts = sched.spec_token_ids.get(s.seq_id)
+            drafts = spec.get(s.seq_id)
             # A speculating sequence runs its last token and its drafts, like a prefill chunk.
             seq_tokens = s.all_token_ids if drafts is None else s.all_token_ids + drafts
             tokens.extend(seq_tokens[start:end])

@@ -1,4 +1,5 @@
-"""Which sequences speculate in a step, with how many drafts, and the counters of what came of it.
+"""Which sequences speculate in a step, with how many drafts (n-gram: which drafts; with a draft
+model only how many: the runner's draft model proposes them), and the counters of what came of it.
 
 A sequence speculates only where the target's token at each drafted position is decided by that
 position's logits alone, the same as without speculation:
@@ -48,13 +49,16 @@ class SpecDecodePlanner:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def drafts(self, seq: Sequence, budget: int, num_running: int) -> list[int]:
-        """The draft tokens ``seq`` runs after its last token this step ([]: none)."""
+    def max_drafts(self, seq: Sequence, budget: int, num_running: int) -> int:
+        """How many drafts ``seq`` may run after its last token this step (0: it does not speculate)."""
         cfg = self.config
         if cfg.disable_by_batch_size is not None and num_running >= cfg.disable_by_batch_size:
-            return []
+            return 0
         if seq.num_tokens - seq.num_computed_tokens != 1 or not can_speculate(seq):
-            return []
+            return 0
+        # A draft model's proposals cannot follow a grammar: the scheduler never sees them.
+        if cfg.uses_draft_model and seq.grammar is not None:
+            return 0
         # The step yields up to k + 1 tokens: drafts past the last one max_tokens allows, or past
         # the context, could never be kept.
         k = min(
@@ -63,6 +67,12 @@ class SpecDecodePlanner:
             seq.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens,
         )
+        return max(k, 0)
+
+    def drafts(self, seq: Sequence, budget: int, num_running: int) -> list[int]:
+        """The n-gram draft tokens ``seq`` runs after its last token this step ([]: none)."""
+        cfg = self.config
+        k = self.max_drafts(seq, budget, num_running)
         if k < 1:
             return []
         return propose_ngram(seq.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -74,15 +84,23 @@ class SpecDecodePlanner:
         this step and its lookahead slots fit while leaving a block for each running sequence
         after it: lookahead never preempts anyone, it is only worth doing with memory to spare.
         False: schedule it as usual."""
-        drafts = self.drafts(seq, budget, len(running))
+        if self.config.uses_draft_model:  # the runner's draft model proposes them
+            drafts = None
+            k = self.max_drafts(seq, budget, len(running))
+        else:
+            drafts = self.drafts(seq, budget, len(running))
+            k = len(drafts)
         num_after = len(running) - index - 1
-        if not drafts:
+        if k < 1:
             return False
-        n = 1 + len(drafts)
+        n = 1 + k
         if kv.num_free_blocks() < num_after + cdiv(n, kv.block_size) + 1 or not kv.allocate_slots(seq, n):
             return False
         out.num_scheduled_tokens[seq.seq_id] = n
-        out.spec_token_ids[seq.seq_id] = drafts
+        if drafts is None:
+            out.num_model_drafts[seq.seq_id] = k
+        else:
+            out.spec_token_ids[seq.seq_id] = drafts
         return True
 
     def verified(self, seq: Sequence, kv: KVCacheManager, num_drafts: int, num_accepted: int, num_kept: int) -> int:

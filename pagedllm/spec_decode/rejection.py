@@ -1,11 +1,12 @@
-"""Rejection sampling of n-gram drafts (the speculative sampling papers' rule), which keeps the
-target model's distribution exactly.
+"""Rejection sampling of drafts (the speculative sampling papers' rule), which keeps the target
+model's distribution exactly.
 
-An n-gram draft is a point mass: q(x) = 1 for the drafted x. Draft x at position i is accepted
-with probability min(1, p_i(x) / q(x)) = p_i(x); on rejection the token is drawn from the residual
-max(0, p_i - q), normalised: p_i with x removed. Every draft accepted, the bonus token is drawn
-from p_k. Each kept token is then distributed as p at its position given the tokens before it,
-as without speculation (its draws differ, so a seed gives other tokens, reproducibly).
+An n-gram draft, and a draft model's greedy (argmax) draft, is a point mass: q(x) = 1 for the
+drafted x, decided by the tokens before it. Draft x at position i is accepted with probability
+min(1, p_i(x) / q(x)) = p_i(x); on rejection the token is drawn from the residual max(0, p_i - q),
+normalised: p_i with x removed. Every draft accepted, the bonus token is drawn from p_k. Each kept
+token is then distributed as p at its position given the tokens before it, as without
+speculation (its draws differ, so a seed gives other tokens, reproducibly).
 """
 
 from __future__ import annotations
