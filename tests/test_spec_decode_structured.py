@@ -128,6 +128,35 @@ def test_sampled_output_matches_its_grammar(tiny_llama, kind):
     assert_all_blocks_free(llm)
 
 
+def test_sampled_choice_distribution_matches_without_speculation(tiny_llama):
+    """Rejection sampling accepts a draft with the masked target probability of it and draws the
+    residual from the masked distribution: the distribution of the chosen string over 3000 seeded
+    requests with speculation equals the one over 3000 without (other seeds), by a chi-square
+    test of homogeneity (deterministic: the seeds are fixed). The prompt holds the choices, so
+    most tokens are drafted; a draft judged by the unmasked probability would be accepted less
+    often than it should, moving mass by far more than the test's 0.1% tail."""
+    from scipy.stats import chi2_contingency
+
+    n = 3000
+    prompt = PROMPTS[2]
+    counts = []
+    for first_seed, spec in ((0, None), (n, NGRAM)):
+        llm = make_llm(tiny_llama, num_kv_blocks=1024, speculative_config=spec)
+        params = [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=20, structured_outputs=CONSTRAINTS["choice"])
+            for s in range(first_seed, first_seed + n)
+        ]
+        texts = [o.outputs[0].text for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+        assert set(texts) <= set(CHOICES)
+        counts.append([texts.count(c) for c in CHOICES])
+    assert all(c >= 50 for c in counts[0]), counts  # every choice drawn: the test means something
+    p_value = chi2_contingency(counts)[1]
+    assert p_value > 0.001, (p_value, counts)
+    s = spec_stats(llm)
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
+    assert_all_blocks_free(llm)
+
+
 def test_sampled_constrained_speculation_is_reproducible_per_seed(tiny_llama):
     first = run(make_llm(tiny_llama, speculative_config=NGRAM), CONSTRAINTS["json"], temperature=1.0, seed=5)
     llm = make_llm(tiny_llama, speculative_config=NGRAM, max_num_seqs=1)  # alone: other batches
