@@ -2,8 +2,9 @@
 forbids, each verifying position is masked with the grammar's state after the drafts before it,
 and the grammar advances over exactly the tokens kept. Greedy constrained output is token for
 token the output without speculation (JSON schema, regex, choice, grammar; block sizes, chunked
-prefill, max_tokens inside a run); sampled constrained output matches its grammar; a failed
-matcher ends its sequence, never the engine; no KV block leaks."""
+prefill, preemption, max_tokens inside a run, the default model); sampled constrained output
+matches its grammar and keeps the masked distribution; a failed matcher ends its sequence, never
+the engine; no KV block leaks."""
 
 from __future__ import annotations
 
@@ -98,6 +99,43 @@ def test_greedy_identity(tiny_llama, baselines, kind, engine_kwargs):
     s = spec_stats(llm)
     assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_num_accepted_tokens"] > 0, s
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_identity_with_preemption(tiny_llama, baselines, mode):
+    # A cache too small for the three at once: sequences are preempted, their grammars keep going.
+    kwargs = dict(block_size=8, num_kv_blocks=16, preemption_mode=mode, num_swap_blocks=64)
+    llm = make_llm(tiny_llama, speculative_config=NGRAM, **kwargs)
+    for kind, constraint in CONSTRAINTS.items():
+        assert run(llm, constraint) == baselines[kind], kind
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_default_model_json_record_identity():
+    """The default model repeating a JSON record under its schema: the drafts from the prompt
+    are accepted, and the output is the same without speculation."""
+    from pagedllm.models.resolve import default_model_gguf_path
+
+    if default_model_gguf_path() is None:
+        pytest.skip("default model package not installed")
+    record = {"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"]}
+    item = {"type": "string"}
+    props = {"name": item, "born": {"type": "integer"}, "fields": {"type": "array", "items": item}}
+    schema = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    messages = [{"role": "user", "content": f"Repeat this JSON record exactly:\n\n{json.dumps(record)}"}]
+    params = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs={"json": schema})
+    outs = {}
+    for spec in (None, NGRAM):
+        llm = LLM(kv_cache_memory_gib=0.25, speculative_config=spec)
+        (out,) = llm.chat(messages, params, use_tqdm=False)
+        outs[spec is None] = out.outputs[0].token_ids
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        if spec is not None:
+            assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+            assert_all_blocks_free(llm)
+    assert outs[True] == outs[False]
 
 
 def valid(kind: str, text: str, finish_reason: str) -> bool:
