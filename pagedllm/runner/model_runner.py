@@ -123,7 +123,7 @@ class ModelRunner:
         drawn_rows = [i for i, s in enumerate(sampling) if s.seq_id in spec and not s.sampling_params.greedy]
         drawn = None
         if drawn_rows:  # speculating sequences that sample: rejection sampling, apart
-            drawn = self._rejection_sample(hidden[drawn_rows], [sampling[i] for i in drawn_rows], sched)
+            drawn = self._rejection_sample(hidden[drawn_rows], [sampling[i] for i in drawn_rows], spec, sched)
             rest = sorted(set(range(len(sampling))) - set(drawn_rows))
             hidden, sampling = hidden[rest], [sampling[i] for i in rest]
             if not sampling:
@@ -148,7 +148,7 @@ class ModelRunner:
         return result
 
     def _rejection_sample(
-        self, hidden: torch.Tensor, rows: list[SeqState], sched: SchedulerOutput
+        self, hidden: torch.Tensor, rows: list[SeqState], spec: dict[str, list[int]], sched: SchedulerOutput
     ) -> ModelRunnerOutput:
         """The kept tokens of speculating sequences that sample (``rows``: each one's positions,
         consecutive), drawn from their own generators (spec_decode/rejection.py)."""
@@ -157,7 +157,7 @@ class ModelRunner:
         i = 0
         while i < len(rows):
             state = rows[i]
-            drafts = sched.spec_token_ids[state.seq_id]
+            drafts = spec[state.seq_id]
             n = len(drafts) + 1
             logits = self.model.compute_logits(hidden[i : i + n]).cpu().float()
             allowed = _allowed_tokens(sched, [state.seq_id] * n)

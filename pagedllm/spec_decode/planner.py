@@ -10,11 +10,13 @@ position's logits alone (and its grammar's state there), the same as without spe
 - it has no bad_words, no repetition / frequency / presence penalty, and min_tokens is reached:
   each of those depends on the tokens before the position, and the runner's verifying pass sees
   only the sequence's tokens before the drafts.
-A sequence with a structured-output grammar speculates too: its drafts are walked through the
-grammar without committing (GrammarState.propose), cut at the first one it forbids (that one
-could never be accepted), and each verifying position is masked with the grammar's state after
-the drafts before it, so the target's distribution there is the masked one, as without
-speculation; the grammar then advances over exactly the tokens kept.
+A sequence with a structured-output grammar speculates too, with n-gram drafts: they are walked
+through the grammar without committing (GrammarState.propose), cut at the first one it forbids
+(that one could never be accepted), and each verifying position is masked with the grammar's
+state after the drafts before it, so the target's distribution there is the masked one, as
+without speculation; the grammar then advances over exactly the tokens kept. A draft model's
+drafts are proposed in the runner, where no grammar is: with one, constrained sequences do not
+speculate.
 Drafts never run past max_tokens, max_model_len or the step's token budget, and nobody
 speculates while ``disable_by_batch_size`` or more sequences run.
 """
