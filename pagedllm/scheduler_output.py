@@ -52,7 +52,9 @@ class CachedSequenceData:
 class GrammarBitmask(NamedTuple):
     """The tokens each constrained sequence sampling this step may take (structured outputs)."""
 
-    rows: dict[str, int]  # seq id -> its row of ``mask``
+    # seq id -> its row of ``mask``; a speculating sequence's first row: it has one per position
+    # it runs (its last token, then each draft), consecutive
+    rows: dict[str, int]
     mask: np.ndarray  # int32 [rows, ceil(vocab / 32)]: bit t of a row set when token t is allowed
 
 

@@ -254,14 +254,6 @@ def test_sampled_speculation_is_reproducible_per_seed(tiny_llama):
     assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_structured_outputs_do_not_speculate(tiny_llama):
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, structured_outputs={"regex": "[a-f]{3,30}"})
-    llm = make_llm(tiny_llama, speculative_config=NGRAM)
-    assert generate(llm, [LOOPING], params)[0] == generate(make_llm(tiny_llama), [LOOPING], params)[0]
-    assert spec_stats(llm)["spec_decode_num_drafts"] == 0
-    assert_all_blocks_free(llm)
-
-
 def test_sliding_window_model(tiny_mistral_windowed):
     # Its layers attend through a window narrower than the prompts: blocks out of it are released
     # after each step, verifying steps included.

@@ -102,17 +102,21 @@ class EngineCore:
         return self.scheduler.update_from_output(sched, sampled)
 
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
-        """The masks of the constrained sequences that sample this step (their last known token runs)."""
+        """The masks of the constrained sequences that sample this step (their last known token
+        runs): one row each, or one per position run for a speculating one."""
         if self.structured is None:
             return None
         seqs = self.scheduler.seqs
-        ids = []
+        ids, num_drafts = [], []
         for seq_id, n in sched.num_scheduled_tokens.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.grammar is not None and seq.grammar.constrains:
-                if seq.num_computed_tokens + n == seq.num_tokens:
+                drafts = sched.spec_token_ids.get(seq_id)
+                if drafts is not None or seq.num_computed_tokens + n == seq.num_tokens:
                     ids.append(seq_id)
+                    num_drafts.append(0 if drafts is None else len(drafts))
         if not ids:
             return None
-        mask = self.structured.bitmask([seqs[i].grammar for i in ids])
-        return GrammarBitmask({seq_id: row for row, seq_id in enumerate(ids)}, mask)
+        mask = self.structured.bitmask([seqs[i].grammar for i in ids], num_drafts)
+        first_rows = [sum(num_drafts[:j]) + j for j in range(len(ids))]
+        return GrammarBitmask(dict(zip(ids, first_rows, strict=True)), mask)

@@ -123,7 +123,7 @@ class ModelRunner:
         drawn_rows = [i for i, s in enumerate(sampling) if s.seq_id in spec and not s.sampling_params.greedy]
         drawn = None
         if drawn_rows:  # speculating sequences that sample: rejection sampling, apart
-            drawn = self._rejection_sample(hidden[drawn_rows], [sampling[i] for i in drawn_rows], spec)
+            drawn = self._rejection_sample(hidden[drawn_rows], [sampling[i] for i in drawn_rows], spec, sched)
             rest = sorted(set(range(len(sampling))) - set(drawn_rows))
             hidden, sampling = hidden[rest], [sampling[i] for i in rest]
             if not sampling:
@@ -148,7 +148,7 @@ class ModelRunner:
         return result
 
     def _rejection_sample(
-        self, hidden: torch.Tensor, rows: list[SeqState], spec: dict[str, list[int]]
+        self, hidden: torch.Tensor, rows: list[SeqState], spec: dict[str, list[int]], sched: SchedulerOutput
     ) -> ModelRunnerOutput:
         """The kept tokens of speculating sequences that sample (``rows``: each one's positions,
         consecutive), drawn from their own generators (spec_decode/rejection.py)."""
@@ -159,7 +159,10 @@ class ModelRunner:
             state = rows[i]
             drafts = spec[state.seq_id]
             n = len(drafts) + 1
-            logits = self.model.compute_logits(hidden[i : i + n]).cpu()
+            logits = self.model.compute_logits(hidden[i : i + n]).cpu().float()
+            allowed = _allowed_tokens(sched, [state.seq_id] * n)
+            if allowed is not None:  # each position's grammar mask: the target samples the masked p
+                allowed.apply(logits, self.sampler.apply_token_bitmask)
             probs = self.sampler.target_probs(logits, [state] * n)
             kept = rejection_sample(probs, drafts, state.generator or self.sampler.generator)
             seq_ids.extend([state.seq_id] * len(kept))
@@ -339,11 +342,19 @@ class ModelRunner:
 
 
 def _allowed_tokens(sched: SchedulerOutput, seq_ids: list[str]) -> AllowedTokens | None:
-    """The structured-output masks of this step's sampling rows, or None when no row has one."""
+    """The structured-output masks of this step's sampling rows, or None when no row has one. A
+    speculating sequence's rows (one per position, consecutive) take its mask rows in order."""
     bitmask = sched.grammar_bitmask
     if bitmask is None:
         return None
-    rows = [(i, bitmask.rows[sid]) for i, sid in enumerate(seq_ids) if sid in bitmask.rows]
+    rows = []
+    seen: dict[str, int] = {}  # rows of each sequence so far: the position within its run
+    for i, sid in enumerate(seq_ids):
+        first = bitmask.rows.get(sid)
+        if first is not None:
+            k = seen.get(sid, 0)
+            seen[sid] = k + 1
+            rows.append((i, first + k))
     if not rows:
         return None
     return AllowedTokens([i for i, _ in rows], bitmask.mask[[r for _, r in rows]])

@@ -2,14 +2,21 @@
 model only how many: the runner's draft model proposes them), and the counters of what came of it.
 
 A sequence speculates only where the target's token at each drafted position is decided by that
-position's logits alone, the same as without speculation:
+position's logits alone (and its grammar's state there), the same as without speculation:
 - it is decoding (one known token left to run: chunked prefill finishes first);
 - its tokens are appended as sampled (not beam search, whose owner picks them);
 - it is greedy, or it samples without asking for logprobs (rejection sampling: the runner
   returns no logprobs for its drafted positions);
-- it has no structured-output grammar, no bad_words, no repetition / frequency / presence
-  penalty, and min_tokens is reached: each of those depends on the tokens before the position,
-  and the runner's verifying pass sees only the sequence's tokens before the drafts.
+- it has no bad_words, no repetition / frequency / presence penalty, and min_tokens is reached:
+  each of those depends on the tokens before the position, and the runner's verifying pass sees
+  only the sequence's tokens before the drafts.
+A sequence with a structured-output grammar speculates too, with n-gram drafts: they are walked
+through the grammar without committing (GrammarState.propose), cut at the first one it forbids
+(that one could never be accepted), and each verifying position is masked with the grammar's
+state after the drafts before it, so the target's distribution there is the masked one, as
+without speculation; the grammar then advances over exactly the tokens kept. A draft model's
+drafts are proposed in the runner, where no grammar is: with one, constrained sequences do not
+speculate.
 Drafts never run past max_tokens, max_model_len or the step's token budget, and nobody
 speculates while ``disable_by_batch_size`` or more sequences run.
 """
@@ -28,7 +35,6 @@ def can_speculate(seq: Sequence) -> bool:
     sp = seq.sampling_params
     return (
         seq.auto_append
-        and seq.grammar is None
         and (sp.greedy or not sp.needs_logprobs)
         and not sp.bad_words_token_ids
         and sp.repetition_penalty == 1.0
@@ -36,6 +42,14 @@ def can_speculate(seq: Sequence) -> bool:
         and not sp.presence_penalty
         and seq.num_output_tokens >= sp.min_tokens
     )
+
+
+def constrain_drafts(seq: Sequence, drafts: list[int]) -> list[int]:
+    """``drafts`` cut to the leading ones ``seq``'s grammar allows (all of them without one); the
+    grammar keeps the mask of each verifying position for the runner (GrammarState.propose)."""
+    if seq.grammar is None or not drafts:
+        return drafts
+    return seq.grammar.propose(drafts)
 
 
 class SpecDecodePlanner:
@@ -75,7 +89,8 @@ class SpecDecodePlanner:
         k = self.max_drafts(seq, budget, num_running)
         if k < 1:
             return []
-        return propose_ngram(seq.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = propose_ngram(seq.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return constrain_drafts(seq, drafts)
 
     def schedule(
         self, out: SchedulerOutput, seq: Sequence, kv: KVCacheManager, budget: int, running: list[Sequence], index: int

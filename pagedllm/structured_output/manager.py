@@ -96,15 +96,25 @@ class StructuredOutputManager:
         if futures:
             concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def bitmask(self, states: list[GrammarState]) -> np.ndarray:
-        """int32 [len(states), words]: bit t of row i set when states[i] allows token t next
-        (waits for a mask still being computed: scheduling holds such sequences back, so only
-        a rare path gets here with one)."""
-        mask = np.empty((len(states), self.words), dtype=np.int32)
-        for i, s in enumerate(states):
+    def bitmask(self, states: list[GrammarState], num_drafts: list[int] | None = None) -> np.ndarray:
+        """int32 [rows, words]: bit t of a row set when its state allows token t next (waits for a
+        mask still being computed: scheduling holds such sequences back, so only a rare path gets
+        here with one). One row per state, or 1 + ``num_drafts[i]`` rows for states[i] when it
+        speculates: the masks of its verifying positions (GrammarState.position_masks)."""
+        if num_drafts is None:
+            num_drafts = [0] * len(states)
+        mask = np.empty((len(states) + sum(num_drafts), self.words), dtype=np.int32)
+        row = 0
+        for s, d in zip(states, num_drafts, strict=True):
+            if d:
+                for m in s.position_masks(d):
+                    mask[row] = m
+                    row += 1
+                continue
             if s.mask is None:
                 s.wait()
-            mask[i] = s.mask
+            mask[row] = s.mask
+            row += 1
         return mask
 
     def shutdown(self) -> None:

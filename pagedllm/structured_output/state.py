@@ -9,6 +9,13 @@ A matcher that fails (a sampled token it rejects, or a parser limit such as llgu
 per row) never stops constraining silently: from then on only end-of-sequence is allowed and
 the sequence ends with stop_reason STOP_REASON. One warning is logged per request, without the
 grammar or the error's text (both are the client's content).
+
+Speculative decoding (spec_decode/planner.py) walks a sequence's drafts through the matcher
+without committing (``propose``): it keeps the leading drafts the grammar allows and the mask of
+each position after them, then rolls the matcher back. The verifying pass masks each position
+with its own mask (``position_masks``), and as the kept tokens are appended the matcher advances
+over exactly them; a kept token that is the planned draft takes the mask computed for it, so only
+the token after the run (the bonus or corrected one) has its mask computed ahead as usual.
 """
 
 from __future__ import annotations
@@ -53,21 +60,88 @@ class GrammarState:
         # The mask of the next token; None while the mask thread computes it.
         self.mask: np.ndarray | None = compiled.initial_mask
         self.future: Future | None = None
+        # Every token accepted: a matcher a failed speculative walk left in error is rebuilt from them.
+        self._tokens: list[int] = []
+        # The drafts ``propose`` kept from the matcher's current state and the mask after each one
+        # (masks[i]: after drafts[:i + 1]); ``_next``: how many of them accept() has taken since.
+        self._drafts: list[int] = []
+        self._draft_masks: list[np.ndarray] = []
+        self._next = 0
 
     def accept(self, token_id: int) -> None:
         """Advances past a sampled token and starts computing the next mask."""
         if self.failed:
             return
         self.wait()  # the matcher is the mask thread's until its mask is in
+        planned = self._next < len(self._drafts) and self._drafts[self._next] == token_id
+        if not planned:  # off the planned drafts: their masks are not this state's
+            self._drafts, self._draft_masks, self._next = [], [], 0
         if not self.matcher.consume_token(token_id):
             self.fail("a sampled token")
             return
         self.num_accepted += 1
+        self._tokens.append(token_id)
         if self.matcher.is_stopped():
             self.complete, self.mask = True, self._eos_row  # the stop check ends the sequence
             return
+        if planned:  # its mask was computed when the draft was proposed, for this very state
+            self.mask = self._draft_masks[self._next]
+            self._next += 1
+            return
         self.mask = None
         self.future = self._submit(self)
+
+    def propose(self, drafts: list[int]) -> list[int]:
+        """The leading ``drafts`` the grammar allows after this sequence's tokens: a draft it
+        forbids could never be accepted, nor any after it. Walks them through the matcher without
+        committing, computing the mask of the position after each (kept for ``position_masks``
+        and for accept() of the same tokens). A draft that completes the grammar is the last one
+        (the sequence stops at it); a draft after which the mask cannot be computed is left out
+        (the sequence meets that failure as it would without speculation: when it takes the
+        token). Runs on the engine thread, once the mask of the next token is in."""
+        self.wait()  # the matcher is the mask thread's until its mask is in
+        self._drafts, self._draft_masks, self._next = [], [], 0
+        if self.failed or self.complete or not drafts:
+            return []
+        matcher = self.matcher
+        drafts = drafts[: matcher.validate_tokens(drafts)]
+        masks: list[np.ndarray] = []
+        consumed = 0
+        for token_id in drafts:
+            if not matcher.consume_token(token_id):
+                break
+            consumed += 1
+            if matcher.is_stopped():
+                masks.append(self._eos_row)  # complete: only end-of-sequence may follow
+                break
+            mask = np.zeros_like(self._eos_row)
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            if matcher.is_error():
+                break
+            masks.append(mask)
+        if consumed and (matcher.is_error() or not matcher.rollback(consumed)):
+            self._rebuild()  # an error is for good in llguidance: no rolling back out of it
+            if self.failed:
+                return []
+        self._drafts, self._draft_masks = drafts[: len(masks)], masks
+        return list(self._drafts)
+
+    def position_masks(self, num_drafts: int) -> list[np.ndarray]:
+        """The masks of a verifying pass over the last token and the first ``num_drafts`` drafts
+        ``propose`` kept: row i allows what the grammar allows after drafts[:i]."""
+        assert self._next == 0 and num_drafts <= len(self._draft_masks), "drafts not proposed from this state"
+        if self.mask is None:
+            self.wait()
+        return [self.mask, *self._draft_masks[:num_drafts]]
+
+    def _rebuild(self) -> None:
+        """A fresh matcher over the tokens accepted so far (rare: a speculative walk failed)."""
+        matcher = self._compiled.matcher.deep_copy()
+        if self._tokens and not matcher.consume_tokens(self._tokens):
+            self.matcher = matcher
+            self.fail("a replayed token")
+            return
+        self.matcher = matcher
 
     def poll(self) -> bool:
         """Takes the mask from the mask thread if it is done; whether the mask is in."""
@@ -130,11 +204,13 @@ class GrammarState:
         if len(output_token_ids) == self.num_accepted and not self.failed:
             self.wait()
             child.matcher = self.matcher.deep_copy()
+            child._tokens = list(self._tokens)
             child.num_accepted, child.mask, child.complete = self.num_accepted, self.mask, self.complete
             return child
         # Replayed here (rare); one mask, for where it ends.
         ok = child.matcher.consume_tokens(list(output_token_ids))
         child.num_accepted = len(output_token_ids)
+        child._tokens = list(output_token_ids)
         if not ok:
             child.fail("a replayed token")
         elif child.matcher.is_stopped():
