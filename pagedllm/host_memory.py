@@ -71,6 +71,15 @@ def release_freed_heap() -> bool:
         return False
 
 
+def release_idle_memory() -> bool:
+    """The compiled kernels' idle output buffers (kernels/scratch_buffers.h), then the heap's free
+    pages, back to the OS."""
+    from pagedllm.kernels import release_kernel_scratch  # imports torch: only once an engine runs
+
+    release_kernel_scratch()  # first: their buffers go back to the heap that the trim then returns
+    return release_freed_heap()
+
+
 class PeriodicHeapRelease:
     """Calls release_freed_heap at most once per ``interval_s``, for a long-running server.
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.engine.async_engine import release_idle_memory
+from pagedllm.host_memory import release_idle_memory
 from pagedllm.kernels import load_cpu_kernels, release_kernel_scratch
 
 kernels = load_cpu_kernels()

@@ -47,8 +47,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.client import ModelFacts
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
-from pagedllm.host_memory import PeriodicHeapRelease, release_freed_heap
-from pagedllm.kernels import release_kernel_scratch
+from pagedllm.host_memory import PeriodicHeapRelease, release_idle_memory
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -59,12 +58,6 @@ logger = logging.getLogger("pagedllm.async_engine")
 OutputHook = Callable[[RequestOutput, float | None], None]
 # How stale the /metrics snapshot may get while the engine steps (Prometheus scrapes every 15 s or so).
 STATS_INTERVAL_S = 1.0
-
-
-def release_idle_memory() -> bool:
-    """The kernels' idle output buffers, then the heap's free pages, back to the OS."""
-    release_kernel_scratch()  # first: their buffers go back to the heap that the trim then returns
-    return release_freed_heap()
 
 
 class AsyncLLMEngine:
