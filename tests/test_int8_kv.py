@@ -131,6 +131,20 @@ def test_rope_and_cache_write_int8_is_bit_exact(h, hkv, d):
     assert (written > 0).any(-1).sum() == t * hkv - 1  # every other head got scales
 
 
+def write_unrotated(qkv: torch.Tensor, h: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of qkv written at slots 1 and 6 of int8 caches (2 blocks of 4) by the C++ writer
+    (RoPE by the identity) and by the reference, held bit-equal; returns the writer's caches."""
+    cos, sin = torch.ones(4, d), torch.zeros(4, d)
+    slots, positions = torch.tensor([1, 6]), torch.tensor([0, 3])
+    (k_cache, v_cache), (kc_ref, vc_ref) = allocate_kv_cache(2, 2, 4, hkv, d, torch.int8, "cpu")
+    kernels.rope_and_cache_write(qkv.clone(), positions, cos, sin, k_cache, v_cache, slots, h, hkv)
+    k, v = qkv[:, h * d :].view(2, 2 * hkv, d).split(hkv, dim=1)
+    write_kv_cache(k, v, kc_ref, vc_ref, slots)
+    for got, ref in ((k_cache, kc_ref), (v_cache, vc_ref)):
+        assert torch.equal(got, ref) and torch.equal(cache_scales(got), cache_scales(ref))
+    return k_cache, v_cache
+
+
 @needs_kernel
 def test_int8_writer_rounds_halves_to_even_as_the_reference():
     """Values at .5 steps (a head whose max is 127: scale 1) and an all-zero head, no rotation."""
@@ -140,14 +154,7 @@ def test_int8_writer_rounds_halves_to_even_as_the_reference():
     qkv[:, h * d : (h + 1) * d] = halves  # K head 0; K head 1 stays all zero
     qkv[:, (h + hkv) * d : (h + hkv + 1) * d] = halves * 3  # V head 0: scale 3, the same halves
     qkv[:, (h + hkv + 1) * d :] = -halves / 64  # V head 1: scale 1/64
-    cos, sin = torch.ones(4, d), torch.zeros(4, d)
-    slots, positions = torch.tensor([1, 6]), torch.tensor([0, 3])
-    (k_cache, v_cache), (kc_ref, vc_ref) = allocate_kv_cache(2, 2, 4, hkv, d, torch.int8, "cpu")
-    kernels.rope_and_cache_write(qkv.clone(), positions, cos, sin, k_cache, v_cache, slots, h, hkv)
-    k, v = qkv[:, h * d :].view(2, 2 * hkv, d).split(hkv, dim=1)
-    write_kv_cache(k, v, kc_ref, vc_ref, slots)
-    for got, ref in ((k_cache, kc_ref), (v_cache, vc_ref)):
-        assert torch.equal(got, ref) and torch.equal(cache_scales(got), cache_scales(ref))
+    k_cache, v_cache = write_unrotated(qkv, h, hkv, d)
     expected = [127, 2, 4, 0, -2, 0, -126, 2]
     assert k_cache[0, 0, 1].tolist() == expected and v_cache[0, 0, 1].tolist() == expected
     assert v_cache[0, 1, 1].tolist() == [-e for e in expected]
@@ -183,14 +190,7 @@ def test_int8_writer_groups_are_bit_exact():
     qkv = torch.zeros(2, (h + 2 * hkv) * d)
     qkv[:, h * d : (h + 1) * d] = row
     qkv[:, (h + 1) * d :] = row.flip(0) * 3
-    cos, sin = torch.ones(4, d), torch.zeros(4, d)
-    slots, positions = torch.tensor([1, 6]), torch.tensor([0, 3])
-    (k_cache, v_cache), (kc_ref, vc_ref) = allocate_kv_cache(2, 2, 4, hkv, d, torch.int8, "cpu")
-    kernels.rope_and_cache_write(qkv.clone(), positions, cos, sin, k_cache, v_cache, slots, h, hkv)
-    k, v = qkv[:, h * d :].view(2, 2 * hkv, d).split(hkv, dim=1)
-    write_kv_cache(k, v, kc_ref, vc_ref, slots)
-    for got, ref in ((k_cache, kc_ref), (v_cache, vc_ref)):
-        assert torch.equal(got, ref) and torch.equal(cache_scales(got), cache_scales(ref))
+    k_cache, v_cache = write_unrotated(qkv, h, hkv, d)
     ks = cache_scales(k_cache)[0, 0, 1]
     assert ks[0] == 1.0 and ks[1] == 0 and ks[2] == 0 and ks[3] == 127 / 64 / 127
     assert k_cache[0, 0, 1, :8].tolist() == [127, 2, 4, 0, -2, 0, -126, 2]
