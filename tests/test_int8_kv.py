@@ -4,7 +4,8 @@ the PyTorch reference, and the block moves that must carry the scales along.
 A float32 step's prefill rows run through the decode kernel (the prefill kernel is bf16 only), so
 the decode kernel is the one kernel that reads int8 caches; the one-call decode plan runs it and
 the writer (tests/test_quantized.py holds the plan to the fused loop on an int8 cache). Greedy
-invariance and TP are in tests/test_kv_cache_dtype.py.
+invariance and TP are in tests/test_kv_cache_dtype.py (its tiny models' heads are at most 64
+wide: one scale per row); here once more for 256-wide heads, scaled per 32 values.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import math
 
 import pytest
 import torch
+from gguf_models import gguf_files_with_cache
 from test_attention import F32_CASES, F32_LENS, build_batch
+from test_invariance import run, workload
+from tiny_models import build_model
 
 from pagedllm.attention import int8_kv
 from pagedllm.attention.int8_kv import attach_scales, cache_scales
@@ -305,3 +309,35 @@ def test_block_copies_and_swaps_move_the_scales(d):
             assert torch.equal(now[2], old[1]) and torch.equal(now[1], old[0])
             assert torch.equal(now[0], old[0]) and torch.equal(now[3], old[3])
             assert not torch.equal(old[1], old[4])  # the copies really changed blocks
+
+
+@pytest.fixture(scope="module")
+def wide_head_file(tmp_path_factory):
+    """The tiny Llama with 256-wide heads (8 scale groups per row) as a Q8_0 GGUF file: integer
+    GEMMs give each row the same bits in any batch (tests/test_kv_cache_dtype.py)."""
+    root = tmp_path_factory.mktemp("int8_wide")
+    hf = build_model("llama", str(root / "llama_hd256"), head_dim=256)
+    with gguf_files_with_cache(root, {"llama": (hf, {})}) as paths:
+        yield paths["llama"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(block_size=1, num_kv_blocks=4104),
+        dict(max_num_batched_tokens=7),
+        dict(block_size=8, num_kv_blocks=15, preemption_mode="swap", num_swap_blocks=64),
+    ],
+    ids=["block1", "chunked", "swap"],
+)
+def test_wide_heads_greedy_invariant_to_schedule(wide_head_file, kwargs):
+    """Grouped scales through the whole engine (writer, decode kernel or reference, swaps): greedy
+    output of an int8 cache does not depend on block size, chunking or swapping."""
+    prompts = workload()
+    expected, llm = run(wide_head_file, prompts, max_num_seqs=1, kv_cache_dtype="int8")
+    assert cache_scales(llm.llm_engine.runner.kv_caches[0][0]).shape[-1] == 8
+    assert (llm.llm_engine.runner.decode_kernel is not None) == (kernels is not None)  # the kernel ran
+    toks, llm = run(wide_head_file, prompts, kv_cache_dtype="int8", **kwargs)
+    assert toks == expected
+    if "preemption_mode" in kwargs:
+        assert llm.llm_engine.scheduler.num_swap_preemptions > 0
