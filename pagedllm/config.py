@@ -19,7 +19,8 @@ _KV_LAYOUTS = ("paged", "contiguous")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
 _QUANTIZATIONS = ("auto", "gguf", None)
 # kv_cache_dtype: "auto" (models/loader.py resolve_kv_cache_dtype) or a named store, in vLLM's names
-# ("fp8" is its e4m3; "int8" is scaled per token and KV head, pagedllm/attention/int8_kv.py).
+# ("fp8" is its e4m3; "int8" is scaled per token, KV head and group of values,
+# pagedllm/attention/int8_kv.py).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 

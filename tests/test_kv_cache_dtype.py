@@ -21,7 +21,7 @@ from test_invariance import run, workload
 from test_tensor_parallel import _outputs, _shutdown, _stress_prompts
 
 from pagedllm import LLM
-from pagedllm.attention.int8_kv import cache_scales
+from pagedllm.attention.int8_kv import cache_scales, scale_bytes_per_row
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_cpu_kernels
 
@@ -119,7 +119,7 @@ def test_kernels_and_reference_path_agree(tiny_model_dirs, kv_dtype):
 
 def test_two_and_four_times_the_tokens_of_a_float32_cache(tiny_llama):
     """The same memory holds twice the blocks in 16 bits, four times in 8 ("fp8" is e4m3); int8
-    pays for its scales, 4 bytes per token and head beside head_dim bytes."""
+    pays for its scales, 4 bytes per token, head and scale group beside head_dim bytes."""
     blocks = {}
     for kv in ("auto", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8"):
         llm = LLM(model=tiny_llama, dtype="float32", kv_cache_memory_gib=0.01, kv_cache_dtype=kv)
@@ -129,7 +129,8 @@ def test_two_and_four_times_the_tokens_of_a_float32_cache(tiny_llama):
     assert abs(blocks["bfloat16"] - 2 * blocks["auto"]) <= 1
     assert abs(blocks["fp8"] - 4 * blocks["auto"]) <= 3
     d = llm.llm_engine.model.head_dim
-    assert abs(blocks["int8"] - blocks["fp8"] * d / (d + 4)) <= 1 and blocks["int8"] < blocks["fp8"]
+    per_row = d + scale_bytes_per_row(torch.int8, d)
+    assert abs(blocks["int8"] - blocks["fp8"] * d / per_row) <= 1 and blocks["int8"] < blocks["fp8"]
 
 
 def test_a_cache_wider_or_other_than_bf16_activations_is_refused(tiny_llama):

@@ -32,7 +32,7 @@ def write_kv_cache(
 ) -> None:
     """Stores key/value ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` slots, rounded
     to the cache's dtype (``kv_cache_dtype``: it may be narrower than the activations; int8 with
-    a scale per token and head, int8_kv.py)."""
+    scales per token, head and group of values, int8_kv.py)."""
     bs = k_cache.shape[2]
     blocks, offsets = slot_mapping // bs, slot_mapping % bs
     for x, cache in ((key, k_cache), (value, v_cache)):

@@ -53,8 +53,8 @@ _HELP = {
     "trust_remote_code": "accepted; pagedllm never runs code shipped with a checkpoint",
     "disable_log_stats": "accepted; pagedllm logs no periodic stats (see /metrics)",
     "kv_cache_dtype": "the KV cache's element type: auto (float16 for GGUF weights run in their blocks, else "
-    "the activation dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2 or int8 (a float32 scale per "
-    "token and KV head)",
+    "the activation dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2 or int8 (float32 scales per "
+    "token and KV head: one per head up to 64 values, else per 32 values)",
     "kv_layout": "paged (default) or contiguous (baseline reservation policies)",
     "reserve": "contiguous layout: max | pow2 | oracle",
     "max_model_len": "context length (default: the model's)",

@@ -67,17 +67,26 @@ inline bool narrow_kv_cache(c10::ScalarType t) {
          t == torch::kChar;
 }
 
-// An int8 cache's scales (pagedllm/attention/int8_kv.py): float32 [num_blocks, num_kv_heads,
-// block_size], one per cache row (token and KV head), given for int8 caches and only for them.
-// Returns their data (null for the other dtypes).
+// An int8 cache row's scale groups (pagedllm/attention/int8_kv.py scale_groups): one scale per
+// row up to 64 values (or where the row is no multiple of 32), else one per 32 values: a wide
+// head's range is set by a few large channels, which left the others few steps.
+constexpr int64_t kInt8Group = 32, kInt8WholeRow = 64;
+constexpr int64_t int8_scale_groups(int64_t head_dim) {
+  return head_dim <= kInt8WholeRow || head_dim % kInt8Group ? 1 : head_dim / kInt8Group;
+}
+
+// An int8 cache's scales: float32 [num_blocks, num_kv_heads, block_size, groups], groups scales
+// per cache row (token and KV head), given for int8 caches and only for them. Returns their data
+// (null for the other dtypes).
 inline float* int8_cache_scales(const char* who, const torch::Tensor& cache, const c10::optional<torch::Tensor>& scales) {
   const bool int8 = cache.scalar_type() == torch::kChar;
   TORCH_CHECK(int8 == scales.has_value(), who, ": scales go with an int8 cache, and only with one");
   if (!int8) return nullptr;
   const torch::Tensor& sc = *scales;
-  TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.is_contiguous() && sc.dim() == 3 && cache.dim() == 4 &&
-                  sc.size(0) == cache.size(0) && sc.size(1) == cache.size(1) && sc.size(2) == cache.size(2),
-              who, ": an int8 cache's scales are float32 [num_blocks, num_kv_heads, block_size], contiguous");
+  TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.is_contiguous() && sc.dim() == 4 && cache.dim() == 4 &&
+                  sc.size(0) == cache.size(0) && sc.size(1) == cache.size(1) && sc.size(2) == cache.size(2) &&
+                  sc.size(3) == int8_scale_groups(cache.size(3)),
+              who, ": an int8 cache's scales are float32 [num_blocks, num_kv_heads, block_size, groups], contiguous");
   return sc.data_ptr<float>();
 }
 

@@ -54,7 +54,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
 
 // E: uint16_t (bf16 bits) or float, the element of qkv and the tables; C: the caches' element (E,
 // or at::BFloat16 / at::Half / float8 under a float E: kv_cache_dtype narrower than the activations).
-// ks / vs: an int8 cache's scales (one per cache row), else null.
+// ks / vs: an int8 cache's scales (int8_scale_groups(D) per cache row), else null.
 template <typename E, typename C>
 void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64_t* sp, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
@@ -65,7 +65,7 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
   const E* snp = reinterpret_cast<const E*>(sin.data_ptr());
   C* kc = reinterpret_cast<C*>(k_cache.data_ptr());
   C* vc = reinterpret_cast<C*>(v_cache.data_ptr());
-  const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D;
+  const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * D, groups = int8_scale_groups(D);
   const int64_t block_size = k_cache.size(2), head_stride = block_size * D, blk_stride = num_kv_heads * head_stride;
   at::parallel_for(0, T, grain_for(qkv.size(1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -76,10 +76,10 @@ void rope_and_cache_write_impl(torch::Tensor qkv, const int64_t* pp, const int64
       const E* k = row + num_heads * D;
       const int64_t at = (sp[t] / block_size) * blk_stride + (sp[t] % block_size) * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t r = at + h * head_stride;  // the row's offset; its scale's is r / D
+        const int64_t r = at + h * head_stride;  // the row's offset; its scales' is r / D * groups
         if constexpr (std::is_same<C, int8_t>::value) {
-          store_row_int8(kc + r, ks + r / D, k + h * D, D);
-          store_row_int8(vc + r, vs + r / D, k + kv_row + h * D, D);
+          store_row_int8_groups(kc + r, ks + r / D * groups, k + h * D, D);
+          store_row_int8_groups(vc + r, vs + r / D * groups, k + kv_row + h * D, D);
         } else {
           store_row(kc + r, k + h * D, D);
           store_row(vc + r, k + kv_row + h * D, D);

@@ -69,13 +69,16 @@ struct Geometry {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, head_stride, blk_stride, q_stride;
   // Offset of KV head h's block_size x head_dim run (rows contiguous) in physical block `block`.
   int64_t head_block(int64_t block, int64_t h) const { return block * blk_stride + h * head_stride; }
-  // Offset of that run's first row's scale in an int8 cache's scales [blocks, kv heads, block_size].
+  // Index of that run's first row in an int8 cache's scales [blocks, kv heads, block_size, groups]
+  // (times the groups per row: its first scale's offset).
   int64_t scale_block(int64_t block, int64_t h) const { return (block * num_kv_heads + h) * block_size; }
 };
 
 // An int8 cache's scales, K's and V's (pagedllm/attention/int8_kv.py); null for the other dtypes.
-// A key's score is its scale times q . k; a value row enters the output times its probability and
-// its scale: both folded per key, so the rows themselves are only widened.
+// A key's score is its scale times q . k (with a scale per group of values, common.h
+// int8_scale_groups: the sum of each group's scale times its part of q . k); a value row enters
+// the output times its probability and its (group's) scale: folded per key and group, so the rows
+// themselves are only widened.
 struct KvScales {
   const float *k = nullptr, *v = nullptr;
 };
@@ -107,6 +110,7 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int6
                     std::vector<float>& row) {
   // keys first .. end - 1
   const int64_t D = g.head_dim, G = g.group, len = end - first;
+  const int64_t ng = kScaled<kv_t> ? int8_scale_groups(D) : 1, gn = D / ng;  // int8: scale groups of gn values
   qf.resize(G * D);
   row.resize(D);
   for (int64_t j = 0; j < G; ++j)
@@ -116,12 +120,17 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int6
     const int64_t t = first + i;
     const kv_t* kt = kp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(kt, row.data(), D);
+    const float* ks = kScaled<kv_t> ? sc.k + (g.scale_block(table[t / g.block_size], h) + t % g.block_size) * ng : nullptr;
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = qf.data() + j * D;
       float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qj[d] * row[d];
-      if constexpr (kScaled<kv_t>) dot *= sc.k[g.scale_block(table[t / g.block_size], h) + t % g.block_size];
+      for (int64_t c = 0; c < ng; ++c) {
+        float part = 0.f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t d = c * gn; d < (c + 1) * gn; ++d) part += qj[d] * row[d];
+        if constexpr (kScaled<kv_t>) part *= ks[c];
+        dot += part;
+      }
       scores[j * len + i] = dot;
     }
   }
@@ -132,14 +141,15 @@ void attend_generic(const Geometry& g, int64_t s, int64_t h, int64_t first, int6
     const int64_t t = first + i;
     const kv_t* vt = vp + g.head_block(table[t / g.block_size], h) + (t % g.block_size) * D;
     load_row(vt, row.data(), D);
-    float vscale = 1.f;
-    if constexpr (kScaled<kv_t>) vscale = sc.v[g.scale_block(table[t / g.block_size], h) + t % g.block_size];
-    for (int64_t j = 0; j < G; ++j) {
-      const float p = scores[j * len + i] * vscale;
-      float* aj = acc.data() + j * D;
+    const float* vs = kScaled<kv_t> ? sc.v + (g.scale_block(table[t / g.block_size], h) + t % g.block_size) * ng : nullptr;
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t c = 0; c < ng; ++c) {
+        float p = scores[j * len + i];
+        if constexpr (kScaled<kv_t>) p *= vs[c];
+        float* aj = acc.data() + j * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) aj[d] += p * row[d];
-    }
+        for (int64_t d = c * gn; d < (c + 1) * gn; ++d) aj[d] += p * row[d];
+      }
   }
   for (int64_t j = 0; j < G; ++j)
     for (int64_t d = 0; d < D; ++d)
@@ -689,6 +699,31 @@ inline __m256 qk8(const KV* k, const float* q, int m) {
   return sum8(a);
 }
 
+// qk8 over int8 rows scaled per group (common.h int8_scale_groups(D) > 1): each group's partial
+// dots times its key's scale for it (s: the m keys' scales, row stride the groups per row).
+template <int D, bool kFull>
+inline __m256 qk8_grouped(const int8_t* k, const float* q, int m, const float* s) {
+  constexpr int NG = int8_scale_groups(D), C = D / NG / 8;  // groups per row, 8-value columns per group
+  __m256 a[8], p[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int gi = 0; gi < NG; ++gi) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) p[i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = gi * C; c < (gi + 1) * C; ++c) {
+      const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        if (kFull || i < m) p[i] = _mm256_fmadd_ps(qc, load8(k + i * D + 8 * c), p[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      if (kFull || i < m) a[i] = _mm256_fmadd_ps(p[i], _mm256_set1_ps(s[i * NG + gi]), a[i]);
+  }
+  return sum8(a);
+}
+
 // Rows [from, to) of a run of one kv head (row stride D) asked for ahead of their use: blocks are
 // scattered (paging), so the hardware prefetcher stops at each block's end.
 template <int D, typename KV>
@@ -701,16 +736,26 @@ inline void prefetch_rows(const KV* p, int64_t from, int64_t to) {
 // probabilities start at p (row stride ps), into acc (row stride D, same dims). The J x W
 // accumulators stay in registers for the run.
 // Row i of `ahead` (pf rows of it; may be null) is asked for while row i is read.
-template <int D, int W, int J, typename KV>
-inline void pv_run(const KV* v, int64_t n, const float* p, int64_t ps, float* acc, const KV* ahead, int64_t pf) {
+// int8 scaled per group (NG > 1): vs the n rows' scales (row stride NG), g0 the group of dim c0;
+// each group's dims take the probability times the row's scale for that group.
+template <int D, int W, int J, typename KV, int NG = 1>
+inline void pv_run(const KV* v, int64_t n, const float* p, int64_t ps, float* acc, const KV* ahead, int64_t pf,
+                   const float* vs = nullptr, int g0 = 0) {
+  constexpr int PerGroup = NG > 1 ? D / NG / 8 : W;  // accumulators (8 dims each) per scale group
   __m256 a[J][W];
   for (int j = 0; j < J; ++j)
     for (int w = 0; w < W; ++w) a[j][w] = _mm256_loadu_ps(acc + j * D + 8 * w);
   for (int64_t i = 0; i < n; ++i) {
     if (ahead != nullptr && i < pf) prefetch_rows<D>(ahead, i, i + 1);
     __m256 pj[J];
-    for (int j = 0; j < J; ++j) pj[j] = _mm256_broadcast_ss(p + j * ps + i);
+    if constexpr (NG == 1)
+      for (int j = 0; j < J; ++j) pj[j] = _mm256_broadcast_ss(p + j * ps + i);
     for (int w = 0; w < W; ++w) {
+      if constexpr (NG > 1)
+        if (w % PerGroup == 0) {
+          const float sv = vs[i * NG + g0 + w / PerGroup];
+          for (int j = 0; j < J; ++j) pj[j] = _mm256_set1_ps(p[j * ps + i] * sv);
+        }
       const __m256 x = load8(v + i * D + 8 * w);
       for (int j = 0; j < J; ++j) a[j][w] = _mm256_fmadd_ps(pj[j], x, a[j][w]);
     }
@@ -737,6 +782,10 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
                       float* sum, F32Run<KV> next, KvScales sc, float* KS) {
   using Run = F32Run<KV>;
   const int64_t G = g.group, bs = g.block_size, n = t1 - t0;
+  // int8 scaled per group of values (NG per row) rather than per row: the groups' scales are
+  // applied inside the dots (qk8_grouped) and per group of dims in p.v (pv_run), not per key
+  constexpr int NG = kScaled<KV> ? static_cast<int>(int8_scale_groups(D)) : 1;
+  constexpr bool kGrouped = NG > 1;
   scale *= kLoadScale<KV>;  // the scores of keys read at 1 / kLoadScale
   // The chunk's keys as nr runs; run k starts at key tk (t - t0 into the scores).
   const int64_t b0 = t0 / bs, nr = (t1 - 1) / bs - b0 + 1;
@@ -757,9 +806,17 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
   // 1.7B shape took 31.4 ms instead of 26.6 (Zen 5).
   if constexpr (kScaled<KV>) {
     for (int64_t k = 0; k < nr; ++k) {
-      const int64_t at = g.scale_block(table[b0 + k], h) + run_key(k) % bs;
-      _mm_prefetch(reinterpret_cast<const char*>(sc.k + at), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(sc.v + at), _MM_HINT_T0);
+      const int64_t t = run_key(k), at = (g.scale_block(table[b0 + k], h) + t % bs) * NG;
+      if constexpr (kGrouped) {  // every line of the run's scales (16 per line)
+        const int64_t end = at + std::min(bs - t % bs, t1 - t) * NG;
+        for (int64_t x = at & ~int64_t{15}; x < end; x += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(sc.k + x), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sc.v + x), _MM_HINT_T0);
+        }
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(sc.k + at), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sc.v + at), _MM_HINT_T0);
+      }
     }
   }
   for (int64_t k = 0; k < nr; ++k) {
@@ -776,9 +833,16 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
           if (ahead.p != nullptr) prefetch_rows<D>(ahead.p, i0, std::min(i0 + 8, ahead.rows));
           if (second.p != nullptr) prefetch_rows<D>(second.p, i0, std::min(i0 + 8, second.rows));
         }
-        const __m256 sc = r + i0 + 8 <= bs ? qk8<D, true>(run.p + i0 * D, qj, 8)
-                                           : qk8<D, false>(run.p + i0 * D, qj, static_cast<int>(m - i0));
-        _mm256_storeu_ps(sj + i0, sc);
+        __m256 x;
+        if constexpr (kGrouped) {
+          const float* ks = sc.k + (g.scale_block(table[b0 + k], h) + r + i0) * NG;
+          x = r + i0 + 8 <= bs ? qk8_grouped<D, true>(run.p + i0 * D, qj, 8, ks)
+                               : qk8_grouped<D, false>(run.p + i0 * D, qj, static_cast<int>(m - i0), ks);
+        } else {
+          x = r + i0 + 8 <= bs ? qk8<D, true>(run.p + i0 * D, qj, 8)
+                               : qk8<D, false>(run.p + i0 * D, qj, static_cast<int>(m - i0));
+        }
+        _mm256_storeu_ps(sj + i0, x);
       }
     }
     const int64_t asked = (m + 7) / 8 * 8;  // rows of the runs ahead asked for so far
@@ -786,7 +850,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     if (second.p != nullptr && second.rows > asked) prefetch_rows<D>(second.p, asked, second.rows);
   }
   float *ksc = KS, *vsc = KS + ss;  // int8: the chunk's K and V scales, key t - t0 at t - t0
-  if constexpr (kScaled<KV>) {
+  if constexpr (kScaled<KV> && !kGrouped) {
     for (int64_t k = 0; k < nr; ++k) {
       const int64_t t = run_key(k), rows = std::min(bs - t % bs, t1 - t);
       const int64_t at = g.scale_block(table[b0 + k], h) + t % bs;
@@ -804,7 +868,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     for (int64_t t = 0; t < n; t += 8) {
       const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
       __m256 x = _mm256_loadu_ps(sj + t);
-      if constexpr (kScaled<KV>) {  // the score: the key's scale times q . k
+      if constexpr (kScaled<KV> && !kGrouped) {  // the score: the key's scale times q . k
         x = _mm256_mul_ps(x, _mm256_loadu_ps(ksc + t));
         _mm256_storeu_ps(sj + t, x);
       }
@@ -819,7 +883,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     for (int64_t t = 0; t < n; t += 8) {
       const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
       const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_loadu_ps(sj + t), vscale, vmx)), live);
-      if constexpr (kScaled<KV>)
+      if constexpr (kScaled<KV> && !kGrouped)
         _mm256_storeu_ps(sj + t, _mm256_mul_ps(e, _mm256_loadu_ps(vsc + t)));  // p.v reads V unscaled
       else
         _mm256_storeu_ps(sj + t, kLoadScale<KV> == 1.f ? e : _mm256_mul_ps(e, vunit));  // V is read at 1 / kLoadScale
@@ -839,9 +903,12 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     // the first pass over the run asks for the run two ahead, a row per row read
     const KV* pf = ahead.p;
     constexpr int W = D >= 32 ? 4 : D / 8;
+    // int8 per group: the run's V scales, and the group of dim c
+    const float* vs = kGrouped ? sc.v + (g.scale_block(table[b0 + k], h) + run_key(k) % bs) * NG : nullptr;
+    constexpr int GroupDims = D / NG;
     if (D >= 64 && G == 1) {  // one head: 8 accumulators (64 dims) for enough independent FMA chains
       for (int c = 0; c < D; c += 64) {
-        pv_run<D, (D >= 64 ? 8 : W), 1>(run.p + c, m, pr, ss, acc + c, pf, ahead.rows);
+        pv_run<D, (D >= 64 ? 8 : W), 1, KV, NG>(run.p + c, m, pr, ss, acc + c, pf, ahead.rows, vs, c / GroupDims);
         pf = nullptr;
       }
     } else {
@@ -852,9 +919,9 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
           const int64_t left = G - j0, J = left == 4 ? 2 : std::min<int64_t>(3, left);
           const float* pj = pr + j0 * ss;
           float* aj = acc + j0 * D + c;
-          if (J == 3) pv_run<D, W, 3>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
-          else if (J == 2) pv_run<D, W, 2>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
-          else pv_run<D, W, 1>(run.p + c, m, pj, ss, aj, pf, ahead.rows);
+          if (J == 3) pv_run<D, W, 3, KV, NG>(run.p + c, m, pj, ss, aj, pf, ahead.rows, vs, c / GroupDims);
+          else if (J == 2) pv_run<D, W, 2, KV, NG>(run.p + c, m, pj, ss, aj, pf, ahead.rows, vs, c / GroupDims);
+          else pv_run<D, W, 1, KV, NG>(run.p + c, m, pj, ss, aj, pf, ahead.rows, vs, c / GroupDims);
           pf = nullptr;
           j0 += J;
         }

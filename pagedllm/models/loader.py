@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # vLLM's 8-bit cache names: unscaled float8 (vLLM's k_scale = v_scale = 1.0 when uncalibrated), and
-# int8 with a float32 scale per token and KV head (pagedllm/attention/int8_kv.py).
+# int8 with float32 scales per token, KV head and group of values (pagedllm/attention/int8_kv.py).
 _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 

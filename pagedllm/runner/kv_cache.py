@@ -5,24 +5,25 @@ contiguous run, so decode attention, which reads one head of a sequence at a tim
 runs instead of every third 128-byte slice of a token-major block (measured 3-10% faster in the
 CPU kernel alone). A token's slot is still ``block_id * block_size + offset``.
 
-An int8 cache (kv_cache_dtype "int8") carries a float32 scale per token and KV head in a tensor
-[num_blocks, Hkv, block_size] attached to it (pagedllm/attention/int8_kv.py): its bytes count in
-the block's size, and block copies and swaps move them with the block's rows.
+An int8 cache (kv_cache_dtype "int8") carries float32 scales per token and KV head (one per group
+of values) in a tensor [num_blocks, Hkv, block_size, groups] attached to it
+(pagedllm/attention/int8_kv.py): their bytes count in the block's size, and block copies and
+swaps move them with the block's rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.int8_kv import SCALE_DTYPE, attach_scales, cache_scales, scale_bytes_per_row
+from pagedllm.attention.int8_kv import SCALE_DTYPE, attach_scales, cache_scales, scale_bytes_per_row, scales_shape
 from pagedllm.host_memory import empty_on_huge_pages
 
 GIB = 1 << 30
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of every layer, an int8 cache's float32 scales (one per token and head) included."""
-    per_row = head_dim * dtype.itemsize + scale_bytes_per_row(dtype)
+    """K and V of every layer, an int8 cache's float32 scales (per token, head and group) included."""
+    per_row = head_dim * dtype.itemsize + scale_bytes_per_row(dtype, head_dim)
     return 2 * num_layers * block_size * num_kv_heads * per_row
 
 
@@ -43,8 +44,8 @@ def allocate_kv_cache(
     # garbage would still poison the output.
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     # an int8 cache's scales: after every cache, in the same buffer
-    specs = [(shape, dtype)] * (2 * num_layers) + [(shape[:-1], SCALE_DTYPE)] * (
-        2 * num_layers if scale_bytes_per_row(dtype) else 0
+    specs = [(shape, dtype)] * (2 * num_layers) + [(scales_shape(shape), SCALE_DTYPE)] * (
+        2 * num_layers if scale_bytes_per_row(dtype, head_dim) else 0
     )
     if torch.device(device).type == "cpu":
         tensors = _cpu_tensors_on_huge_pages(specs)

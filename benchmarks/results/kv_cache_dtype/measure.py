@@ -1,11 +1,14 @@
 """kv_cache_dtype side by side: float32 vs bfloat16 vs float16 (the "auto" cache of GGUF models) vs
-float8 (e4m3, e5m2: vLLM's fp8 caches, unscaled) vs int8 (a float32 scale per token and KV head).
+float8 (e4m3, e5m2: vLLM's fp8 caches, unscaled) vs int8 (float32 scales per token and KV head:
+one per head up to 64 values, else per 32).
 
 Parts (each alone under the benchmark lock; the caller takes it):
   capacity    KV bytes per token and blocks per GiB, default model, Gemma 3 270M, the 1.7B shape;
   attention   paged_decode_attention alone, 16 sequences x 8192 tokens of context, the 1.7B
               shape's heads (32 query / 32 KV heads of 64), median ms per call of 8,
               the dtypes taken in turn, the caches on huge pages as the engine's;
+  attention-wide  the same with 16 query / 8 KV heads of 256 (Gemma 3's head_dim, the same bytes
+              per token: int8 scaled per 32 values rather than per head);
   perplexity  `bench perplexity` (KJV Romans, context 512) of the default model (Q4_1 native)
               and of the Gemma 3 270M Q4_K_M file, per KV dtype, and without compiled kernels
               (float activations: how much the activation rounding alone moves it);
@@ -106,13 +109,13 @@ def capacity() -> dict:
     return {"rows": rows}
 
 
-def attention() -> dict:
+def attention(heads: int = 32, kv_heads: int = 32, dim: int = 64) -> dict:
     import torch
 
     from pagedllm.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    seqs, ctx, heads, kv_heads, dim, bs = 16, 8192, 32, 32, 64, 16
+    seqs, ctx, bs = 16, 8192, 16
     blocks_per_seq = ctx // bs
     g = torch.Generator().manual_seed(0)
     k = torch.randn(seqs * blocks_per_seq, kv_heads, bs, dim, generator=g)
@@ -260,7 +263,7 @@ def plot(results: dict, path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("parts", nargs="+", choices=("capacity", "attention", "perplexity", "throughput"))
+    p.add_argument("parts", nargs="+", choices=("capacity", "attention", "attention-wide", "perplexity", "throughput"))
     p.add_argument("--gguf", help="the 1.7B-shape Q4_K_M file (throughput)")
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -281,6 +284,8 @@ def main() -> None:
             key, data = part + subset, throughput(args.gguf, args.kv_gib, args.num_prompts, kv_dtypes)
         elif part == "perplexity":
             key, data = part + subset, perplexity(kv_dtypes)
+        elif part == "attention-wide":
+            key, data = part, attention(16, 8, 256)
         else:
             key, data = part, {"capacity": capacity, "attention": attention}[part]()
         data["seconds"] = round(time.perf_counter() - t, 1)
