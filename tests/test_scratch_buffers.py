@@ -4,6 +4,8 @@ outputs stay out of the pool, and the periodic release empties it."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,13 +23,23 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@pytest.fixture(autouse=True)
+def empty_pool():
+    """Each test starts from an empty pool: outputs of earlier tests that a garbage collection
+    frees later would otherwise land in it mid-test."""
+    gc.collect()
+    release_kernel_scratch()
+    gc.disable()
+    yield
+    gc.enable()
+
+
 def big_input(seed: int, rows: int = 512, inner: int = 4096) -> torch.Tensor:
     """A [rows, 2 * inner] gate_up whose silu_and_mul output is rows * inner * 4 bytes (8 MiB)."""
     return torch.randn(rows, 2 * inner, generator=torch.Generator().manual_seed(seed))
 
 
 def test_live_outputs_never_share_and_dead_ones_are_reused():
-    release_kernel_scratch()
     xa, xb, xc = big_input(0), big_input(1), big_input(2)
     a = kernels.silu_and_mul(xa)
     b = kernels.silu_and_mul(xb)  # while a is alive
@@ -46,7 +58,6 @@ def test_live_outputs_never_share_and_dead_ones_are_reused():
 
 
 def test_small_outputs_stay_out_of_the_pool_and_release_empties_it():
-    release_kernel_scratch()
     small = kernels.silu_and_mul(big_input(3, rows=4))
     del small
     assert kernels.scratch_idle_bytes() == 0
@@ -61,7 +72,6 @@ def test_small_outputs_stay_out_of_the_pool_and_release_empties_it():
 def test_a_much_smaller_output_does_not_take_a_large_buffer():
     """A buffer is reused only by an output of at least half its size: a pool of large buffers
     never serves small outputs while the large ones are needed."""
-    release_kernel_scratch()
     big = kernels.silu_and_mul(big_input(5, rows=2048))  # 32 MiB
     big_ptr = big.data_ptr()
     del big
