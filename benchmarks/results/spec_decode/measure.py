@@ -106,15 +106,15 @@ def machine() -> dict:
     return info
 
 
-def run_workload(engines: dict, prompts: list[list[dict]]) -> dict:
-    """Alternating passes of every engine over ``prompts``: medians, ratios, acceptance."""
+def alternating_passes(engines: dict, prompts: list[list[dict]]):
+    """Greedy passes (256 tokens at most) of every engine over ``prompts`` in turn, a warm-up then
+    3 timed: (each engine's timed walls, its output tokens per pass, its output texts)."""
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=256)
     walls: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, int] = {}
     texts: dict[str, list[str]] = {}
-    before = {name: dict(llm.llm_engine.get_stats()) for name, llm in engines.items()}
     for rep in range(4):  # pass 0 warms up
         for name, llm in engines.items():
             t = time.perf_counter()
@@ -124,6 +124,13 @@ def run_workload(engines: dict, prompts: list[list[dict]]) -> dict:
             texts[name] = [o.text for o in outs]
             if rep:
                 walls[name].append(wall)
+    return walls, tokens, texts
+
+
+def run_workload(engines: dict, prompts: list[list[dict]]) -> dict:
+    """Alternating passes of every engine over ``prompts``: medians, ratios, acceptance."""
+    before = {name: dict(llm.llm_engine.get_stats()) for name, llm in engines.items()}
+    walls, tokens, texts = alternating_passes(engines, prompts)
     rows = []
     for name, llm in engines.items():
         assert texts[name] == texts["none"], f"greedy output changed with {name}"

@@ -20,24 +20,19 @@ import json
 import os
 import statistics
 import sys
-import time
 
-from measure import CODE, HERE, RENAMES, machine
+from measure import HERE, alternating_passes, machine, workloads
 
 MODEL = "smollm2-135m-instruct"
 KV_GIB = 0.5
 
 
 def main() -> None:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     k = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     spec = {"model": MODEL, "num_speculative_tokens": k}
-    prompts = [
-        [{"role": "user", "content": f"Here is a function:\n\n{code}\n\nRepeat it exactly, but rename `{a}` to `{b}`."}]
-        for code, (a, b) in zip(CODE, RENAMES, strict=True)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=256)
+    prompts = workloads()["code"]
     target = dict(model=MODEL, quantization=None, kv_cache_memory_gib=KV_GIB)
     engines = {
         "none": LLM(**target),
@@ -45,18 +40,7 @@ def main() -> None:
         # For reference, not compared: the draft alone is faster still, but its outputs are its own.
         "draft model alone": LLM(model=MODEL, kv_cache_memory_gib=KV_GIB),
     }
-    walls: dict[str, list[float]] = {name: [] for name in engines}
-    tokens: dict[str, int] = {}
-    texts: dict[str, list[str]] = {}
-    for rep in range(4):  # pass 0 warms up
-        for name, llm in engines.items():
-            t = time.perf_counter()
-            outs = [llm.chat(p, params, use_tqdm=False)[0].outputs[0] for p in prompts]
-            wall = time.perf_counter() - t
-            tokens[name] = sum(len(o.token_ids) for o in outs)
-            texts[name] = [o.text for o in outs]
-            if rep:
-                walls[name].append(wall)
+    walls, tokens, texts = alternating_passes(engines, prompts)
     assert texts["none"] == texts["draft"], "greedy output changed with speculation"
     stats = engines["draft"].llm_engine.get_stats()
     counters = {key: v for key, v in stats.items() if key.startswith("spec_decode")}
