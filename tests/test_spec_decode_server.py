@@ -28,25 +28,37 @@ def server(tiny_llama, tmp_path_factory):
     srv.stop()
 
 
-def test_completions_equal_the_engine_without_speculation(server, tiny_llama):
-    plain = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=256).generate(
+BODY = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+def plain_texts(model: str) -> list[str]:
+    """PROMPTS' greedy texts from an engine without speculation."""
+    plain = LLM(model=model, dtype="float32", num_kv_blocks=256).generate(
         [{"prompt_token_ids": p} for p in PROMPTS],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         use_tqdm=False,
     )
-    body = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+    return [o.outputs[0].text for o in plain]
+
+
+def served_texts(srv: ServerProcess) -> list[str]:
+    """PROMPTS' greedy texts from the server, one non-streamed completions request."""
+    r = httpx.post(srv.url("/v1/completions"), json=BODY, timeout=60)
     assert r.status_code == 200, r.text
-    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-    assert [c["text"] for c in choices] == [o.outputs[0].text for o in plain]
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_completions_equal_the_engine_without_speculation(server, tiny_llama):
+    plain = plain_texts(tiny_llama)
+    assert served_texts(server) == plain
     # Streamed: several tokens may come in one step; the deltas still add up to the text.
     texts = ["", ""]
-    with httpx.stream("POST", server.url("/v1/completions"), json={**body, "stream": True}, timeout=60) as s:
+    with httpx.stream("POST", server.url("/v1/completions"), json={**BODY, "stream": True}, timeout=60) as s:
         for line in s.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 for c in json.loads(line[6:])["choices"]:
                     texts[c["index"]] += c["text"]
-    assert texts == [o.outputs[0].text for o in plain]
+    assert texts == plain
     samples = spec_samples(server)
     drafts = [float(v) for k, v in samples.items() if k.startswith("vllm:spec_decode_num_drafts_total")]
     accepted = [float(v) for k, v in samples.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total")]
@@ -82,16 +94,7 @@ def test_draft_model_server(tiny_llama, tmp_path):
     log = str(tmp_path / "server.log")
     srv = ServerProcess(tiny_llama, log, "--metrics-prefix", "vllm", "--speculative-config", json.dumps(config))
     try:
-        plain = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=256).generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-            use_tqdm=False,
-        )
-        body = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-        assert [c["text"] for c in choices] == [o.outputs[0].text for o in plain]
+        assert served_texts(srv) == plain_texts(tiny_llama)
         samples = spec_samples(srv)
         value = {k.split("{")[0]: float(v) for k, v in samples.items() if "per_pos" not in k}
         assert value["vllm:spec_decode_num_drafts_total"] > 0
