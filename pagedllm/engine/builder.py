@@ -17,7 +17,7 @@ from pagedllm.host_memory import keep_freed_memory_in_heap, release_freed_heap
 from pagedllm.kernels.interface import CpuKernels
 from pagedllm.kv.base import KVCacheManager
 from pagedllm.kv.factory import make_kv_manager
-from pagedllm.layers.linear_method import LinearMethods
+from pagedllm.layers.linear_method import LinearMethods, log_weight_formats
 from pagedllm.memory_budget import kv_cache_budget_bytes
 from pagedllm.models.attention_windows import layer_windows, sliding_window
 from pagedllm.models.hub_cache import is_repo_id
@@ -109,35 +109,6 @@ def linear_methods(dtype: torch.dtype, device: torch.device, kernels: CpuKernels
 
     pack = device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_available()
     return LinearMethods(dtype=dtype, kernels=kernels, pack_bf16=pack, device=device)
-
-
-def log_weight_formats(model: torch.nn.Module, source: str, kernels: CpuKernels | None) -> None:
-    """One line: which GEMMs run on what (the choice linear_methods made, per weight)."""
-    from collections import Counter
-
-    from pagedllm.layers.linear import ParallelLinear
-    from pagedllm.models.quantized_linear import ConcatLinear, QuantizedLinear
-
-    kinds: Counter[str] = Counter()
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            kinds[f"{m.format}{'' if m.kernels is not None else ' (reference)'}"] += 1
-        elif isinstance(m, (ParallelLinear, ConcatLinear)):
-            # a mixed-format projection's float parts (llama.cpp's Q4_K_M: Q5_0 q and k, dequantized,
-            # beside a Q8_0 v) are GEMMs of their own inside its ConcatLinear
-            for part in m.parts if isinstance(m, ConcatLinear) else [m.local]:
-                if isinstance(part, torch.nn.Linear):
-                    kinds[f"float {str(part.weight.dtype).removeprefix('torch.')}"] += 1
-        elif type(m).__name__ == "PackedLinear":
-            kinds["packed bf16"] += 1
-    isa = "none" if kernels is None else kernels.compiled_isa()
-    logger.info(
-        "pagedllm: %s: GEMMs %s; compiled kernels: %s; fused layer loop: %s",
-        source,
-        ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none",
-        isa,
-        "yes" if getattr(model, "kernels", None) is not None else "no",
-    )
 
 
 def build_runner(config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:

@@ -124,3 +124,31 @@ class LinearMethods:
 def _format(t: CheckpointTensor) -> int | None:
     """A GGUF block format, or None for float."""
     return t.qtype if isinstance(t, BlockRows) else None
+
+
+def log_weight_formats(model: torch.nn.Module, source: str, kernels: CpuKernels | None) -> None:
+    """One line: which GEMMs run on what (the choice linear_methods made, per weight)."""
+    from collections import Counter
+
+    from pagedllm.layers.linear import ParallelLinear  # imports this module
+
+    kinds: Counter[str] = Counter()
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            kinds[f"{m.format}{'' if m.kernels is not None else ' (reference)'}"] += 1
+        elif isinstance(m, (ParallelLinear, ConcatLinear)):
+            # a mixed-format projection's float parts (llama.cpp's Q4_K_M: Q5_0 q and k, dequantized,
+            # beside a Q8_0 v) are GEMMs of their own inside its ConcatLinear
+            for part in m.parts if isinstance(m, ConcatLinear) else [m.local]:
+                if isinstance(part, torch.nn.Linear):
+                    kinds[f"float {str(part.weight.dtype).removeprefix('torch.')}"] += 1
+        elif type(m).__name__ == "PackedLinear":
+            kinds["packed bf16"] += 1
+    isa = "none" if kernels is None else kernels.compiled_isa()
+    logging.getLogger("pagedllm").info(  # the engine's start-up lines' logger
+        "pagedllm: %s: GEMMs %s; compiled kernels: %s; fused layer loop: %s",
+        source,
+        ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none",
+        isa,
+        "yes" if getattr(model, "kernels", None) is not None else "no",
+    )
