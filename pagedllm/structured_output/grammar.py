@@ -85,6 +85,14 @@ def _constraint_text(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured outputs: the grammar does not parse: {e}") from e
 
 
+def compute_mask(matcher: llguidance.LLMatcher, words: int) -> np.ndarray:
+    """The int32 mask row (``words`` words) of the tokens ``matcher`` allows next; check
+    ``matcher.is_error()`` after it. Releases the GIL while llguidance computes."""
+    mask = np.zeros(words, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    return mask
+
+
 def compile_grammar(
     params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer, limits: llguidance.LLParserLimits, words: int
 ) -> CompiledGrammar:
@@ -96,9 +104,7 @@ def compile_grammar(
     except ValueError as e:  # also llguidance's own: a schema it cannot translate
         raise GrammarError(str(e) if str(e).startswith("structured outputs") else f"structured outputs: {e}") from e
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-    mask = np.zeros(words, dtype=np.int32)
-    if not matcher.is_error():
-        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    mask = compute_mask(matcher, words) if not matcher.is_error() else np.zeros(words, dtype=np.int32)
     if matcher.is_error():  # a grammar error, or a parser limit its first token already exceeds
         raise GrammarError(
             f"structured outputs: the {params.kind} constraint cannot be compiled: {matcher.get_error()}"

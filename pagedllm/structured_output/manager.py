@@ -22,7 +22,7 @@ import llguidance
 import numpy as np
 
 from pagedllm.structured_output.compiler import GrammarCompiler
-from pagedllm.structured_output.grammar import CompiledGrammar
+from pagedllm.structured_output.grammar import CompiledGrammar, compute_mask
 from pagedllm.structured_output.limits import CompileSettings, lower_thread_priority
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.structured_output.state import GrammarState
@@ -73,8 +73,7 @@ class StructuredOutputManager:
         return self._mask_pool.submit(self._compute_mask, state.matcher)
 
     def _compute_mask(self, matcher: llguidance.LLMatcher) -> tuple[np.ndarray, bool]:
-        mask = np.zeros(self.words, dtype=np.int32)
-        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)  # releases the GIL
+        mask = compute_mask(matcher, self.words)
         return mask, matcher.is_error()
 
     @property

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from pagedllm.structured_output.grammar import CompiledGrammar
+from pagedllm.structured_output.grammar import CompiledGrammar, compute_mask
 
 logger = logging.getLogger("pagedllm")
 
@@ -114,8 +114,7 @@ class GrammarState:
             if matcher.is_stopped():
                 masks.append(self._eos_row)  # complete: only end-of-sequence may follow
                 break
-            mask = np.zeros_like(self._eos_row)
-            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            mask = compute_mask(matcher, self._eos_row.size)
             if matcher.is_error():
                 break
             masks.append(mask)
