@@ -32,6 +32,7 @@
 // so an output is bit-identical whether its activation row comes alone or with 300 others.
 #include "entry_points.h"
 #include "quant_interleaved.h"
+#include "quant_lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -94,48 +95,54 @@ void permute_row(uint8_t* row, int64_t r, int64_t nb, const Layout& l, uint8_t* 
 }
 
 #if PAGEDLLM_X8_AVX2
-// One group of eight weight rows x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8]. kFine: the
-// activations have a scale per 16 (Activations::ds), so the low nibbles (elements 0..15) and the
-// high ones (16..31) sum apart and each half is scaled by its own d_x.
-template <int MR, int64_t QT, bool kFine = false>
-inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
+// V::kGroups groups of eight weight rows (quant_lanes.h; the second group_bytes after the first) x
+// activation rows m0 .. m0 + MR - 1 -> y[:, 0:8 * kGroups]. kFine: the activations have a scale
+// per 16 (Activations::ds), so the low nibbles (elements 0..15) and the high ones (16..31) sum
+// apart and each half is scaled by its own d_x.
+template <class V, int MR, int64_t QT, bool kFine = false>
+inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activations8& a, int64_t m0, float* y,
+                         int64_t ldy) {
   using F = Nibble<QT>;
+  using I = typename V::I;
   constexpr int64_t bb = F::kBlockBytes;
-  [[maybe_unused]] const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10),
-                                 ones = _mm256_set1_epi16(1);
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  [[maybe_unused]] const I low4 = V::bytes(0x0F), bit4 = V::bytes(0x10);
+#if !PAGEDLLM_X8_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  typename V::F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t b = 0; b < a.nb / (kFine ? 2 : 1); ++b) {
     const uint8_t* blk = group + b * kRows * bb;
     prefetch_ahead<kRows * bb>(blk);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    [[maybe_unused]] const __m256i high =
-        F::kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kHigh)) : _mm256_setzero_si256();
-    __m256i sums[MR];
-    [[maybe_unused]] __m256i pair[MR];  // kFine: the high half's sums
+    if constexpr (V::kGroups == 2) prefetch_ahead<kRows * bb>(blk + group_bytes);
+    const typename V::F dw = V::halves(blk, group_bytes);
+    [[maybe_unused]] const I high = F::kFive ? V::load(blk + F::kHigh, group_bytes) : V::zero();
+    I sums[MR];
+    [[maybe_unused]] I pair[MR];  // kFine: the high half's sums
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kQs + 32 * c));
-      __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      const I w = V::load(blk + F::kQs + 32 * c, group_bytes);
+      I lo = V::and_(w, low4), hi = V::and_(V::srli16(w, 4), low4);
       if constexpr (F::kFive) {
         // run c's fifth bits: bit c (low nibbles) and 4 + c (high) -> 0x10. A 16-bit shift: the
         // bits it carries across a byte boundary land at bits 0..3 (left) or 5..7 (right), masked.
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(high, 4 - c), bit4));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(high, c), bit4));
+        lo = V::or_(lo, V::and_(V::slli16(high, 4 - c), bit4));
+        hi = V::or_(hi, V::and_(V::srli16(high, c), bit4));
       }
       for (int m = 0; m < MR; ++m) {
         const int8_t* xb = a.q + (m0 + m) * a.K + 32 * b;
-        const __m256i xlo = ilv::broadcast4(xb + 4 * c), xhi = ilv::broadcast4(xb + 16 + 4 * c);
 #if PAGEDLLM_X8_VNNI
         // four u8 x s8 products summed straight into each int32 lane
+        const I xlo = V::set1(load4(xb + 4 * c)), xhi = V::set1(load4(xb + 16 + 4 * c));
         if constexpr (kFine) {
-          sums[m] = _mm256_dpbusd_epi32(c == 0 ? _mm256_setzero_si256() : sums[m], lo, xlo);
-          pair[m] = _mm256_dpbusd_epi32(c == 0 ? _mm256_setzero_si256() : pair[m], hi, xhi);
+          sums[m] = V::dpbusd(c == 0 ? V::zero() : sums[m], lo, xlo);
+          pair[m] = V::dpbusd(c == 0 ? V::zero() : pair[m], hi, xhi);
         } else {
-          const __m256i zero_or_sum = c == 0 ? _mm256_setzero_si256() : sums[m];
-          sums[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero_or_sum, lo, xlo), hi, xhi);
+          const I zero_or_sum = c == 0 ? V::zero() : sums[m];
+          sums[m] = V::dpbusd(V::dpbusd(zero_or_sum, lo, xlo), hi, xhi);
         }
 #else
+        const __m256i xlo = ilv::broadcast4(xb + 4 * c), xhi = ilv::broadcast4(xb + 16 + 4 * c);
         // vpmaddubsw: two u8 x s8 products per int16 lane, |x| <= 127 (never -128)
         if constexpr (kFine) {
           // one half alone: <= 2 * 31 * 127 per run, four runs: 31496 < 2^15 even with 5 bits
@@ -159,85 +166,81 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 #endif
       }
     }
-    [[maybe_unused]] const __m256 mw =
-        F::kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))) : _mm256_setzero_ps();
+    [[maybe_unused]] const typename V::F mw = F::kMin ? V::halves(blk + 16, group_bytes) : V::zerof();
     for (int m = 0; m < MR; ++m) {
       if constexpr (kFine) {
         const int64_t at = (m0 + m) * a.nb + 2 * b;
 #if PAGEDLLM_X8_VNNI
-        __m256i dlo = sums[m], dhi = pair[m];
+        I dlo = sums[m], dhi = pair[m];
 #else
-        __m256i dlo = _mm256_madd_epi16(sums[m], ones), dhi = _mm256_madd_epi16(pair[m], ones);
+        I dlo = _mm256_madd_epi16(sums[m], ones), dhi = _mm256_madd_epi16(pair[m], ones);
 #endif
         if (F::kBias != 0) {
-          dlo = _mm256_sub_epi32(dlo, _mm256_set1_epi32(F::kBias * a.s[at]));
-          dhi = _mm256_sub_epi32(dhi, _mm256_set1_epi32(F::kBias * a.s[at + 1]));
+          dlo = V::sub32(dlo, V::set1(F::kBias * a.s[at]));
+          dhi = V::sub32(dhi, V::set1(F::kBias * a.s[at + 1]));
         }
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at])), acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at + 1])), acc[m]);
-        if (F::kMin) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[at / 2]), acc[m]);
+        acc[m] = V::fmadd(V::cvt(dlo), V::mul(dw, V::set1f(a.d[at])), acc[m]);
+        acc[m] = V::fmadd(V::cvt(dhi), V::mul(dw, V::set1f(a.d[at + 1])), acc[m]);
+        if (F::kMin) acc[m] = V::fmadd(mw, V::set1f(a.ds[at / 2]), acc[m]);
         continue;
       }
       const int64_t at = (m0 + m) * a.nb + b;
 #if PAGEDLLM_X8_VNNI
-      __m256i dot = sums[m];
+      I dot = sums[m];
 #else
-      __m256i dot = F::kFive ? sums[m] : _mm256_madd_epi16(sums[m], ones);
+      I dot = F::kFive ? sums[m] : _mm256_madd_epi16(sums[m], ones);
 #endif
-      if (F::kBias != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(F::kBias * a.s[at]));
+      if (F::kBias != 0) dot = V::sub32(dot, V::set1(F::kBias * a.s[at]));
       const float dx = a.d[at];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
-      if (F::kMin) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * static_cast<float>(a.s[at])), acc[m]);
+      acc[m] = V::fmadd(V::cvt(dot), V::mul(dw, V::set1f(dx)), acc[m]);
+      if (F::kMin) acc[m] = V::fmadd(mw, V::set1f(dx * static_cast<float>(a.s[at])), acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+  for (int m = 0; m < MR; ++m) V::store(y + (m0 + m) * ldy, acc[m]);
 }
 
-inline __m256i broadcast_pair(const int16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// Q8_0: one group x activation rows m0 .. m0 + MR - 1 (int16) -> y[:, 0:8].
-template <int MR>
-inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_t m0, float* y, int64_t ldy) {
+// Q8_0: V::kGroups groups x activation rows m0 .. m0 + MR - 1 (int16) -> y[:, 0:8 * kGroups].
+template <class V, int MR>
+inline void group_kernel_q8(const uint8_t* group, int64_t group_bytes, const Activations16& a, int64_t m0, float* y,
+                            int64_t ldy) {
+  using I = typename V::I;
   constexpr int64_t bb = 34;
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  typename V::F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = group + b * kRows * bb;
     prefetch_ahead<kRows * bb>(blk);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    if constexpr (V::kGroups == 2) prefetch_ahead<kRows * bb>(blk + group_bytes);
+    const typename V::F dw = V::halves(blk, group_bytes);
     const int16_t* xb[MR];
-    __m256i sums[MR];
+    I sums[MR];
     for (int m = 0; m < MR; ++m) {
       xb[m] = a.q + (m0 + m) * a.K + 32 * b;
-      sums[m] = _mm256_setzero_si256();
+      sums[m] = V::zero();
     }
     // Unrolled: left rolled, the compiler recomputed the activation address and branched on the
     // first pair at every pair, and the kernel ran at a third of its speed.
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
-      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * p)));
+      const I w = V::bytes_to_i16(blk + 16 + 16 * p, group_bytes);
       for (int m = 0; m < MR; ++m)  // <= 2 * 128 * 32767 per pair, sixteen pairs: < 2^31
 #if PAGEDLLM_X8_VNNI
-        sums[m] = _mm256_dpwssd_epi32(sums[m], w, broadcast_pair(xb[m] + 2 * p));
+        sums[m] = V::dpwssd(sums[m], w, V::set1(load4(xb[m] + 2 * p)));
 #else
-        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(w, broadcast_pair(xb[m] + 2 * p)));
+        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(w, _mm256_set1_epi32(load4(xb[m] + 2 * p))));
 #endif
     }
     for (int m = 0; m < MR; ++m) {
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(m0 + m) * a.nb + b]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m]), scale, acc[m]);
+      const typename V::F scale = V::mul(dw, V::set1f(a.d[(m0 + m) * a.nb + b]));
+      acc[m] = V::fmadd(V::cvt(sums[m]), scale, acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+  for (int m = 0; m < MR; ++m) V::store(y + (m0 + m) * ldy, acc[m]);
 }
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
-template <int MR, int64_t QT, bool kFine = false>
-inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
+template <class V, int MR, int64_t QT, bool kFine = false>
+inline void group_kernel(const uint8_t* group, int64_t, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
   using F = Nibble<QT>;
   constexpr int64_t bb = F::kBlockBytes;
   for (int m = 0; m < MR; ++m) {
@@ -274,8 +277,8 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
   }
 }
 
-template <int MR>
-inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_t m0, float* y, int64_t ldy) {
+template <class V, int MR>
+inline void group_kernel_q8(const uint8_t* group, int64_t, const Activations16& a, int64_t m0, float* y, int64_t ldy) {
   constexpr int64_t bb = 34;
   for (int m = 0; m < MR; ++m) {
     float acc[kRows] = {};
@@ -295,15 +298,15 @@ inline void group_kernel_q8(const uint8_t* group, const Activations16& a, int64_
 }
 #endif
 
-// The kernel of a format (+ kFineScales: its fine-scale variant) for MR activation rows.
-template <int64_t QT, int MR, class A>
-inline void run_group(const uint8_t* group, const A& a, int64_t m0, float* y, int64_t ldy) {
+// The kernel of a format (+ kFineScales: its fine-scale variant) for V's groups x MR activation rows.
+template <int64_t QT, class V, int MR, class A>
+inline void run_group(const uint8_t* group, int64_t group_bytes, const A& a, int64_t m0, float* y, int64_t ldy) {
   if constexpr (QT == Q8_0) {
-    group_kernel_q8<MR>(group, a, m0, y, ldy);
+    group_kernel_q8<V, MR>(group, group_bytes, a, m0, y, ldy);
   } else if constexpr (QT > kFineScales) {
-    group_kernel<MR, QT - kFineScales, true>(group, a, m0, y, ldy);
+    group_kernel<V, MR, QT - kFineScales, true>(group, group_bytes, a, m0, y, ldy);
   } else {
-    group_kernel<MR, QT>(group, a, m0, y, ldy);
+    group_kernel<V, MR, QT>(group, group_bytes, a, m0, y, ldy);
   }
 }
 
@@ -380,9 +383,11 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   if (quant_gemm_interleaved_panels(xp, M, K, wp, N, qtype, yp)) return y;
   auto run = [&](auto format, const auto& act) {  // format: the GGUF type, as a compile-time constant
     at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
-      ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
-        ilv::run_group<decltype(format)::value, decltype(mr)::value>(gp, act, m, out, N);
-      });
+      ilv::for_each_group_tile<true>(wp, group_bytes, g0, g1, M, yp,
+                                     [&](auto lanes, auto mr, const uint8_t* gp, int64_t m, float* out) {
+                                       ilv::run_group<decltype(format)::value, decltype(lanes), decltype(mr)::value>(
+                                           gp, group_bytes, act, m, out, N);
+                                     });
     });
   };
   if (qtype == ilv::Q8_0) {

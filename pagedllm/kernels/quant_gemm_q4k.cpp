@@ -23,6 +23,7 @@
 // (high), broadcast to every lane.
 #include "entry_points.h"
 #include "quant_interleaved.h"
+#include "quant_lanes.h"
 #include "quant_panels.h"
 
 #include <cmath>
@@ -81,38 +82,41 @@ void from_group(const uint8_t* g, int64_t r, uint8_t* file) {
 }
 
 #if PAGEDLLM_X8_AVX2
-// The eight rows' (d * sc) or (dmin * m) of sub-block j, one lane each.
-inline __m256 sub_scales(__m256 d, const uint8_t* bytes) {
-  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)))));
+// The eight rows' (d * sc) or (dmin * m) of sub-block j, one lane each (V: of each group).
+template <class V = ilv::Lanes8>
+inline typename V::F sub_scales(typename V::F d, const uint8_t* bytes, int64_t group_bytes = 0) {
+  return V::mul(d, V::bytes_to_float(bytes, group_bytes));
 }
 
-// One group x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8].
-template <int MR>
-inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+// V::kGroups groups (quant_lanes.h) x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8 * kGroups].
+template <class V, int MR>
+inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activations8& a, int64_t m0, float* y,
+                         int64_t ldy) {
+  using I = typename V::I;
+  const I low4 = V::bytes(0x0F);
 #if !PAGEDLLM_X8_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  typename V::F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t s = 0; s < a.K / kSuper; ++s) {
     const uint8_t* blk = group + s * kGroupBytes;
     ilv::prefetch_ahead<kGroupBytes>(blk);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    if constexpr (V::kGroups == 2) ilv::prefetch_ahead<kGroupBytes>(blk + group_bytes);
+    const typename V::F d = V::halves(blk, group_bytes), dmin = V::halves(blk + 16, group_bytes);
     for (int c = 0; c < 4; ++c) {
-      __m256i lo_sum[MR], hi_sum[MR];
-      for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
+      I lo_sum[MR], hi_sum[MR];
+      for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = V::zero();
       const uint8_t* qs = blk + kQs + 256 * c;
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * u));
-        const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        const I w = V::load(qs + 32 * u, group_bytes);
+        const I lo = V::and_(w, low4), hi = V::and_(V::srli16(w, 4), low4);
         for (int m = 0; m < MR; ++m) {
           const int8_t* xb = a.q + (m0 + m) * a.K + kSuper * s + 64 * c + 4 * u;
 #if PAGEDLLM_X8_VNNI
-          lo_sum[m] = _mm256_dpbusd_epi32(lo_sum[m], lo, ilv::broadcast4(xb));
-          hi_sum[m] = _mm256_dpbusd_epi32(hi_sum[m], hi, ilv::broadcast4(xb + 32));
+          lo_sum[m] = V::dpbusd(lo_sum[m], lo, V::set1(ilv::load4(xb)));
+          hi_sum[m] = V::dpbusd(hi_sum[m], hi, V::set1(ilv::load4(xb + 32)));
 #else
           // <= 2 * 15 * 127 per product pair, eight runs: 30480 < 2^15
           lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, ilv::broadcast4(xb)));
@@ -120,8 +124,10 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 #endif
         }
       }
-      const __m256 sc_lo = sub_scales(d, blk + kScales + 8 * (2 * c)), sc_hi = sub_scales(d, blk + kScales + 8 * (2 * c + 1));
-      const __m256 m_lo = sub_scales(dmin, blk + kMins + 8 * (2 * c)), m_hi = sub_scales(dmin, blk + kMins + 8 * (2 * c + 1));
+      const uint8_t* sc = blk + kScales + 8 * (2 * c);
+      const uint8_t* mn = blk + kMins + 8 * (2 * c);
+      const typename V::F sc_lo = sub_scales<V>(d, sc, group_bytes), sc_hi = sub_scales<V>(d, sc + 8, group_bytes);
+      const typename V::F m_lo = sub_scales<V>(dmin, mn, group_bytes), m_hi = sub_scales<V>(dmin, mn + 8, group_bytes);
       for (int m = 0; m < MR; ++m) {
 #if !PAGEDLLM_X8_VNNI
         lo_sum[m] = _mm256_madd_epi16(lo_sum[m], ones);
@@ -129,19 +135,19 @@ inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0
 #endif
         const int64_t at = (m0 + m) * a.nb + s * 8 + 2 * c;  // the activation block of sub-block 2c
         const float dx_lo = a.d[at], dx_hi = a.d[at + 1];
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum[m]), _mm256_mul_ps(sc_lo, _mm256_set1_ps(dx_lo)), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(m_lo, _mm256_set1_ps(dx_lo * static_cast<float>(a.s[at])), acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum[m]), _mm256_mul_ps(sc_hi, _mm256_set1_ps(dx_hi)), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(m_hi, _mm256_set1_ps(dx_hi * static_cast<float>(a.s[at + 1])), acc[m]);
+        acc[m] = V::fmadd(V::cvt(lo_sum[m]), V::mul(sc_lo, V::set1f(dx_lo)), acc[m]);
+        acc[m] = V::fnmadd(m_lo, V::set1f(dx_lo * static_cast<float>(a.s[at])), acc[m]);
+        acc[m] = V::fmadd(V::cvt(hi_sum[m]), V::mul(sc_hi, V::set1f(dx_hi)), acc[m]);
+        acc[m] = V::fnmadd(m_hi, V::set1f(dx_hi * static_cast<float>(a.s[at + 1])), acc[m]);
       }
     }
   }
-  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+  for (int m = 0; m < MR; ++m) V::store(y + (m0 + m) * ldy, acc[m]);
 }
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
-template <int MR>
-inline void group_kernel(const uint8_t* group, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
+template <class V, int MR>
+inline void group_kernel(const uint8_t* group, int64_t, const Activations8& a, int64_t m0, float* y, int64_t ldy) {
   for (int m = 0; m < MR; ++m) {
     float acc[kRows] = {};
     for (int64_t s = 0; s < a.K / kSuper; ++s) {
@@ -276,9 +282,11 @@ torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w) {
   }
 #endif
   at::parallel_for(0, N / q4k::kRows, 4, [&](int64_t g0, int64_t g1) {
-    ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
-      q4k::group_kernel<decltype(mr)::value>(gp, act, m, out, N);
-    });
+    ilv::for_each_group_tile<true>(wp, group_bytes, g0, g1, M, yp,
+                                   [&](auto lanes, auto mr, const uint8_t* gp, int64_t m, float* out) {
+                                     q4k::group_kernel<decltype(lanes), decltype(mr)::value>(gp, group_bytes, act, m,
+                                                                                            out, N);
+                                   });
   });
   return y;
 }

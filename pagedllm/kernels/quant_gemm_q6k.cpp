@@ -19,6 +19,7 @@
 // ql byte 32 + l values 128h + 32 + l and 128h + 96 + l; qh byte l their high bits, two each.
 #include "entry_points.h"
 #include "quant_interleaved.h"
+#include "quant_lanes.h"
 #include "quant_panels.h"
 
 #include <cmath>
@@ -306,7 +307,8 @@ torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   }
 #endif
   at::parallel_for(0, N / q6k::kRows, 4, [&](int64_t g0, int64_t g1) {
-    ilv::for_each_group_tile(wp, group_bytes, g0, g1, M, yp, [&](auto mr, const uint8_t* gp, int64_t m, float* out) {
+    ilv::for_each_group_tile<false>(wp, group_bytes, g0, g1, M, yp,
+                                    [&](auto, auto mr, const uint8_t* gp, int64_t m, float* out) {
       q6k::group_kernel<decltype(mr)::value>(gp, act, s16, m, out, N);
     });
   });

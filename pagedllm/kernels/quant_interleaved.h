@@ -117,32 +117,6 @@ Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool w
   return {qp, dp, sp, K, nb, dsp};
 }
 
-// Every activation row times groups [g0, g1) of eight-row groups: kTile groups at a time stay in
-// cache while the activation rows pass, four rows per kernel call, then the last one to three.
-// kernel(std::integral_constant<int, MR>, group, m0, out): one group x MR activation rows into out
-// (the group's eight columns of y).
-template <class GroupKernel>
-void for_each_group_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t M, float* y,
-                         GroupKernel kernel) {
-  constexpr int64_t kTile = 4;
-  for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
-    const int64_t t1 = std::min(g1, t0 + kTile);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      for (int64_t g = t0; g < t1; ++g) kernel(std::integral_constant<int, 4>{}, w + g * group_bytes, m, y + g * kRows);
-    for (int64_t g = t0; g < t1; ++g) {
-      const uint8_t* gp = w + g * group_bytes;
-      float* out = y + g * kRows;
-      switch (M - m) {
-        case 3: kernel(std::integral_constant<int, 3>{}, gp, m, out); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, gp, m, out); break;
-        case 1: kernel(std::integral_constant<int, 1>{}, gp, m, out); break;
-        default: break;
-      }
-    }
-  }
-}
-
 // Super-block formats repacked eight rows at a time (Q4_K, Q6_K): a group's super-block s holds
 // its eight rows' super-block s, laid out by the format's to_group(file_block, row, group_block).
 inline void check_group_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
@@ -183,6 +157,14 @@ torch::Tensor group_rows(const torch::Tensor& w, torch::Tensor ids, int64_t file
       from_group(group + s * group_bytes, ip[i] % kRows, out.data_ptr<uint8_t>() + (i * nsb + s) * file_bytes);
   }
   return out;
+}
+
+// Four bytes at p (four int8 or two int16 activations) as one int32, for a broadcast.
+template <class T>
+__attribute__((always_inline)) inline int32_t load4(const T* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 #if PAGEDLLM_X8_AVX2
