@@ -70,80 +70,81 @@ struct Sums16 {
 
 #if PAGEDLLM_X8_AVX2
 // sum over lanes of four u8 x s8 products, added to acc (int32 lanes)
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+template <class V>
+inline typename V::I dot4(typename V::I acc, typename V::I u, typename V::I s) {
 #if PAGEDLLM_X8_VNNI
-  return _mm256_dpbusd_epi32(acc, u, s);
+  return V::dpbusd(acc, u, s);
 #else
   // <= 2 * 63 * 128 per pair: fits int16; widened at once (four runs would not fit)
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
-// A run's 6-bit values, rows 0..7 x 4 each: q[i] holds values 32i + 4u.. of the half (low four
-// bits from ql, high two from qh).
-inline void run_values(const uint8_t* run, __m256i* q) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
-  const __m256i a_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
-  const __m256i b_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 32));
-  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64));
-  q[0] = _mm256_or_si256(_mm256_and_si256(a_, low4), _mm256_slli_epi16(_mm256_and_si256(hb, low2), 4));
-  q[1] = _mm256_or_si256(_mm256_and_si256(b_, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), low2), 4));
-  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a_, 4), low4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), low2), 4));
-  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b_, 4), low4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), low2), 4));
+// A run's 6-bit values, rows 0..7 x 4 each (V: of each group): q[i] holds values 32i + 4u.. of
+// the half (low four bits from ql, high two from qh).
+template <class V>
+inline void run_values(const uint8_t* run, int64_t group_bytes, typename V::I* q) {
+  using I = typename V::I;
+  const I low4 = V::bytes(0x0F), low2 = V::bytes(0x03);
+  const I a_ = V::load(run, group_bytes), b_ = V::load(run + 32, group_bytes), hb = V::load(run + 64, group_bytes);
+  q[0] = V::or_(V::and_(a_, low4), V::slli16(V::and_(hb, low2), 4));
+  q[1] = V::or_(V::and_(b_, low4), V::slli16(V::and_(V::srli16(hb, 2), low2), 4));
+  q[2] = V::or_(V::and_(V::srli16(a_, 4), low4), V::slli16(V::and_(V::srli16(hb, 4), low2), 4));
+  q[3] = V::or_(V::and_(V::srli16(b_, 4), low4), V::slli16(V::and_(V::srli16(hb, 6), low2), 4));
 }
 
-template <int MR>
-inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums16& s16, int64_t m0, float* y,
-                         int64_t ldy) {
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+// V::kGroups groups (quant_lanes.h) x activation rows m0 .. m0 + MR - 1 -> y[:, 0:8 * kGroups].
+template <class V, int MR>
+inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activations8& a, const Sums16& s16,
+                         int64_t m0, float* y, int64_t ldy) {
+  using I = typename V::I;
+  typename V::F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t s = 0; s < a.K / kSuper; ++s) {
     const uint8_t* blk = group + s * kGroupBytes;
     ilv::prefetch_ahead<kGroupBytes>(blk);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    if constexpr (V::kGroups == 2) ilv::prefetch_ahead<kGroupBytes>(blk + group_bytes);
+    const typename V::F d = V::halves(blk, group_bytes);
     for (int h = 0; h < 2; ++h) {
-      __m256i block_int[MR][4];  // activation blocks 4h .. 4h + 3 of the super-block
+      I block_int[MR][4];  // activation blocks 4h .. 4h + 3 of the super-block
       for (int m = 0; m < MR; ++m)
-        for (int i = 0; i < 4; ++i) block_int[m][i] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) block_int[m][i] = V::zero();
       for (int k = 0; k < 2; ++k) {  // sub-blocks of 16: values 4u.. for u in 4k .. 4k + 3
-        __m256i dot[MR][4];
+        I dot[MR][4];
         for (int m = 0; m < MR; ++m)
-          for (int i = 0; i < 4; ++i) dot[m][i] = _mm256_setzero_si256();
+          for (int i = 0; i < 4; ++i) dot[m][i] = V::zero();
 #pragma GCC unroll 4
         for (int u = 4 * k; u < 4 * k + 4; ++u) {
-          const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes;
-          __m256i q[4];
-          run_values(run, q);
+          I q[4];
+          run_values<V>(blk + kRuns + (8 * h + u) * kRunBytes, group_bytes, q);
           for (int m = 0; m < MR; ++m) {
             const int8_t* xb = a.q + (m0 + m) * a.K + kSuper * s + 128 * h + 4 * u;
-            for (int i = 0; i < 4; ++i) dot[m][i] = dot4(dot[m][i], q[i], ilv::broadcast4(xb + 32 * i));
+            for (int i = 0; i < 4; ++i) dot[m][i] = dot4<V>(dot[m][i], q[i], V::set1(ilv::load4(xb + 32 * i)));
           }
         }
         for (int i = 0; i < 4; ++i) {
           const int j = 8 * h + 2 * i + k;  // the scale of values 128h + 32i + 16k ..
-          const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kScales + 8 * j)));
+          const I sc = V::signed_bytes(blk + kScales + 8 * j, group_bytes);
           for (int m = 0; m < MR; ++m) {
             const int32_t sum16 = s16.s[(m0 + m) * (a.K / 16) + (kSuper * s + 128 * h + 32 * i + 16 * k) / 16];
-            const __m256i centred = _mm256_sub_epi32(dot[m][i], _mm256_set1_epi32(32 * sum16));
-            block_int[m][i] = _mm256_add_epi32(block_int[m][i], _mm256_mullo_epi32(centred, sc));
+            const I centred = V::sub32(dot[m][i], V::set1(32 * sum16));
+            block_int[m][i] = V::add32(block_int[m][i], V::mullo32(centred, sc));
           }
         }
       }
       for (int m = 0; m < MR; ++m)
         for (int i = 0; i < 4; ++i) {
           const float dx = a.d[(m0 + m) * a.nb + s * 8 + 4 * h + i];
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_int[m][i]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[m]);
+          acc[m] = V::fmadd(V::cvt(block_int[m][i]), V::mul(d, V::set1f(dx)), acc[m]);
         }
     }
   }
-  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy, acc[m]);
+  for (int m = 0; m < MR; ++m) V::store(y + (m0 + m) * ldy, acc[m]);
 }
 #else
 // Portable: the same integers and the same float operations, one lane at a time.
-template <int MR>
-inline void group_kernel(const uint8_t* group, const Activations8& a, const Sums16& s16, int64_t m0, float* y,
+template <class V, int MR>
+inline void group_kernel(const uint8_t* group, int64_t, const Activations8& a, const Sums16& s16, int64_t m0, float* y,
                          int64_t ldy) {
   for (int m = 0; m < MR; ++m) {
     float acc[kRows] = {};
@@ -193,7 +194,7 @@ inline void decode_group(const uint8_t* group, int64_t K, uint8_t* wq, int32_t* 
       for (int u = 0; u < 8; ++u) {
         const uint8_t* run = blk + kRuns + (8 * h + u) * kRunBytes;
         __m256i q[4];
-        run_values(run, q);
+        run_values<ilv::Lanes8>(run, 0, q);
         for (int i = 0; i < 4; ++i)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + (64 * s + 32 * h + 8 * i + u) * 4 * kRows), q[i]);
       }
@@ -307,10 +308,12 @@ torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w) {
   }
 #endif
   at::parallel_for(0, N / q6k::kRows, 4, [&](int64_t g0, int64_t g1) {
-    ilv::for_each_group_tile<false>(wp, group_bytes, g0, g1, M, yp,
-                                    [&](auto, auto mr, const uint8_t* gp, int64_t m, float* out) {
-      q6k::group_kernel<decltype(mr)::value>(gp, act, s16, m, out, N);
-    });
+    // four rows per call at most: a call holds 8 x MR accumulators
+    ilv::for_each_group_tile<true, 4>(wp, group_bytes, g0, g1, M, yp,
+                                      [&](auto lanes, auto mr, const uint8_t* gp, int64_t m, float* out) {
+                                        q6k::group_kernel<decltype(lanes), decltype(mr)::value>(gp, group_bytes, act,
+                                                                                               s16, m, out, N);
+                                      });
   });
   return y;
 }

@@ -36,6 +36,10 @@ struct Lanes8 {
   PAGEDLLM_LANE static F bytes_to_float(const uint8_t* p, int64_t) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  // eight signed bytes at p -> int32 lanes
+  PAGEDLLM_LANE static I signed_bytes(const uint8_t* p, int64_t) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   // sixteen signed bytes at p -> int16 lanes (two per 32-bit lane)
   PAGEDLLM_LANE static I bytes_to_i16(const uint8_t* p, int64_t) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -50,6 +54,8 @@ struct Lanes8 {
   PAGEDLLM_LANE static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
   PAGEDLLM_LANE static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
   PAGEDLLM_LANE static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  PAGEDLLM_LANE static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  PAGEDLLM_LANE static I mullo32(I a, I b) { return _mm256_mullo_epi32(a, b); }
 #if PAGEDLLM_X8_VNNI
   PAGEDLLM_LANE static I dpbusd(I acc, I u8, I s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
   PAGEDLLM_LANE static I dpwssd(I acc, I a, I b) { return _mm256_dpwssd_epi32(acc, a, b); }
@@ -84,6 +90,11 @@ struct Lanes16 {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(a, b)));
   }
+  PAGEDLLM_LANE static I signed_bytes(const uint8_t* p, int64_t stride) {
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride));
+    return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(a, b));
+  }
   PAGEDLLM_LANE static I bytes_to_i16(const uint8_t* p, int64_t stride) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
@@ -99,6 +110,8 @@ struct Lanes16 {
   PAGEDLLM_LANE static I srli16(I a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
   PAGEDLLM_LANE static I slli16(I a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
   PAGEDLLM_LANE static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  PAGEDLLM_LANE static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  PAGEDLLM_LANE static I mullo32(I a, I b) { return _mm512_mullo_epi32(a, b); }
   PAGEDLLM_LANE static I dpbusd(I acc, I u8, I s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
   PAGEDLLM_LANE static I dpwssd(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
   PAGEDLLM_LANE static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
@@ -111,11 +124,11 @@ struct Lanes16 {
 
 // Every activation row times groups [g0, g1) of eight-row groups: kTile groups at a time stay in
 // cache while the activation rows pass, four rows per kernel call, then the last one to three
-// (five or six: all at once);
+// (five or six: all at once, unless kMaxRows is 4);
 // with kPairs (and AVX512-VNNI) two groups per call. kernel(lanes, std::integral_constant<int, MR>,
 // group, m0, out): lanes.kGroups groups (from `group`, group_bytes apart) x MR activation rows
 // into out (their 8 or 16 columns of y).
-template <bool kPairs, class GroupKernel>
+template <bool kPairs, int kMaxRows = 6, class GroupKernel>
 void for_each_group_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t M, float* y,
                          GroupKernel kernel) {
   constexpr int64_t kTile = 4;
@@ -131,9 +144,11 @@ void for_each_group_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int6
     };
     // Five or six rows (a speculative verifying pass of k = 4 or 5 drafts) in one call: the
     // weights are unpacked once, not for four rows and again for the rest.
-    if (M == 5 || M == 6) {
-      M == 5 ? tile(std::integral_constant<int, 5>{}, 0) : tile(std::integral_constant<int, 6>{}, 0);
-      continue;
+    if constexpr (kMaxRows >= 6) {
+      if (M == 5 || M == 6) {
+        M == 5 ? tile(std::integral_constant<int, 5>{}, 0) : tile(std::integral_constant<int, 6>{}, 0);
+        continue;
+      }
     }
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
