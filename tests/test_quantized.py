@@ -18,7 +18,7 @@ from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-ROWS = (1, 7, 64, 300)
+ROWS = (1, 5, 7, 64, 300)
 # repacked eight rows at a time (quant_gemm_interleaved.cpp; quant_gemm_q4k.cpp, quant_gemm_q6k.cpp)
 INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K)
 REPACKED_IN_PLACE = (T.Q4_0, T.Q4_1, T.Q8_0)  # the same bytes, permuted (Q4_K's scales are unpacked)
@@ -180,16 +180,18 @@ def test_interleaving_permutes_the_file_bytes(kernels, qtype):
 @pytest.mark.parametrize("fine_scales", [False, True], ids=["per32", "per16"])
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: t.name)
 def test_interleaved_rows_do_not_depend_on_the_call(kernels, qtype, fine_scales):
-    """As below, for the interleaved kernel (micro-kernels of 1-4 rows, groups split over threads;
-    from 12 rows on AVX512-VNNI, panels of 16 rows with the groups decoded once, and a last
-    panel filled with zeros)."""
+    """As below, for the interleaved kernel (micro-kernels of 1-4 rows, or 5 / 6 at once; on
+    AVX512-VNNI two groups per 512-bit register, the fifth group of these 40 rows alone; groups
+    split over threads; from 12 rows on AVX512-VNNI, panels of 16 rows with the groups decoded
+    once, and a last panel filled with zeros)."""
     if fine_scales and qtype not in FINE_SCALES:
         pytest.skip("no fine input scales for this format")
     w, _ = make_weight(qtype, 40, 256, seed=3)
     p, code = (fine if fine_scales else interleaved)(kernels, w, qtype)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(4))
     full = kernels.quant_gemm(x, p, code)
-    for start, count in ((0, 1), (5, 1), (299, 1), (3, 2), (10, 3), (20, 7), (37, 11), (37, 12), (50, 16), (100, 64)):
+    counts = ((0, 1), (5, 1), (299, 1), (3, 2), (10, 3), (40, 5), (60, 6), (20, 7), (37, 11), (37, 12), (50, 16))
+    for start, count in (*counts, (100, 64)):
         part = kernels.quant_gemm(x[start : start + count], p, code)
         assert torch.equal(part, full[start : start + count]), (start, count)
 
