@@ -1,8 +1,9 @@
-// The registers a group kernel (quant_gemm_interleaved.cpp, quant_gemm_q4k.cpp) works in: one
-// group's eight weight rows in the eight 32-bit lanes of a 256-bit register (Lanes8), or two
-// adjacent groups' sixteen rows in a 512-bit one (Lanes16, AVX512-VNNI).
+// The registers a group kernel (quant_gemm_interleaved.cpp, quant_gemm_q4k.cpp,
+// quant_gemm_q6k.cpp) works in: one group's eight weight rows in the eight 32-bit lanes of a
+// 256-bit register (Lanes8), or two adjacent groups' sixteen rows in a 512-bit one (Lanes16,
+// AVX512-VNNI).
 //
-// At a few activation rows (a decode step, a speculative verifying pass of k + 1 rows) the group
+// At 2-11 activation rows (a speculative verifying pass of k + 1 rows, small batches) the group
 // kernels are bound by instructions, not memory: per activation row and four weight bytes of a
 // lane, one broadcast and one vpdpbusd. With two groups in one register each broadcast and
 // vpdpbusd serves sixteen outputs, not eight (the weights of both groups unpacked once, as for
@@ -125,20 +126,24 @@ struct Lanes16 {
 // Every activation row times groups [g0, g1) of eight-row groups: kTile groups at a time stay in
 // cache while the activation rows pass, four rows per kernel call, then the last one to three
 // (five or six: all at once, unless kMaxRows is 4);
-// with kPairs (and AVX512-VNNI) two groups per call. kernel(lanes, std::integral_constant<int, MR>,
+// with kPairs, from two rows (and AVX512-VNNI) two groups per call. kernel(lanes, std::integral_constant<int, MR>,
 // group, m0, out): lanes.kGroups groups (from `group`, group_bytes apart) x MR activation rows
 // into out (their 8 or 16 columns of y).
 template <bool kPairs, int kMaxRows = 6, class GroupKernel>
 void for_each_group_tile(const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t g1, int64_t M, float* y,
                          GroupKernel kernel) {
   constexpr int64_t kTile = 4;
+  // Not at one row: there a step streams weights from memory, and with two groups a thread reads
+  // two streams at once; an 8B-shape decode step took 1.1-1.2x as long paired (Q4_0, Q4_K_M,
+  // alternating runs on 2 Zen 5 cores).
+  const bool pair_groups = M > 1;
   for (int64_t t0 = g0; t0 < g1; t0 += kTile) {
     const int64_t t1 = std::min(g1, t0 + kTile);
     auto tile = [&](auto mr, int64_t m) {
       int64_t g = t0;
 #if PAGEDLLM_X16_VNNI
       if constexpr (kPairs)
-        for (; g + 2 <= t1; g += 2) kernel(Lanes16{}, mr, w + g * group_bytes, m, y + g * kRows);
+        for (; pair_groups && g + 2 <= t1; g += 2) kernel(Lanes16{}, mr, w + g * group_bytes, m, y + g * kRows);
 #endif
       for (; g < t1; ++g) kernel(Lanes8{}, mr, w + g * group_bytes, m, y + g * kRows);
     };
