@@ -113,8 +113,7 @@ inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activa
   for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t b = 0; b < a.nb / (kFine ? 2 : 1); ++b) {
     const uint8_t* blk = group + b * kRows * bb;
-    prefetch_ahead<kRows * bb>(blk);
-    if constexpr (V::kGroups == 2) prefetch_ahead<kRows * bb>(blk + group_bytes);
+    V::template prefetch<kRows * bb>(blk, group_bytes);
     const typename V::F dw = V::halves(blk, group_bytes);
     [[maybe_unused]] const I high = F::kFive ? V::load(blk + F::kHigh, group_bytes) : V::zero();
     I sums[MR];
@@ -209,8 +208,7 @@ inline void group_kernel_q8(const uint8_t* group, int64_t group_bytes, const Act
   for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = group + b * kRows * bb;
-    prefetch_ahead<kRows * bb>(blk);
-    if constexpr (V::kGroups == 2) prefetch_ahead<kRows * bb>(blk + group_bytes);
+    V::template prefetch<kRows * bb>(blk, group_bytes);
     const typename V::F dw = V::halves(blk, group_bytes);
     const int16_t* xb[MR];
     I sums[MR];

@@ -101,8 +101,7 @@ inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activa
   for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t s = 0; s < a.K / kSuper; ++s) {
     const uint8_t* blk = group + s * kGroupBytes;
-    ilv::prefetch_ahead<kGroupBytes>(blk);
-    if constexpr (V::kGroups == 2) ilv::prefetch_ahead<kGroupBytes>(blk + group_bytes);
+    V::template prefetch<kGroupBytes>(blk, group_bytes);
     const typename V::F d = V::halves(blk, group_bytes), dmin = V::halves(blk + 16, group_bytes);
     for (int c = 0; c < 4; ++c) {
       I lo_sum[MR], hi_sum[MR];

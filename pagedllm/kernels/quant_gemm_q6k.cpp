@@ -102,8 +102,7 @@ inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activa
   for (int m = 0; m < MR; ++m) acc[m] = V::zerof();
   for (int64_t s = 0; s < a.K / kSuper; ++s) {
     const uint8_t* blk = group + s * kGroupBytes;
-    ilv::prefetch_ahead<kGroupBytes>(blk);
-    if constexpr (V::kGroups == 2) ilv::prefetch_ahead<kGroupBytes>(blk + group_bytes);
+    V::template prefetch<kGroupBytes>(blk, group_bytes);
     const typename V::F d = V::halves(blk, group_bytes);
     for (int h = 0; h < 2; ++h) {
       I block_int[MR][4];  // activation blocks 4h .. 4h + 3 of the super-block

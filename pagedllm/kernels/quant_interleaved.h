@@ -168,11 +168,7 @@ __attribute__((always_inline)) inline int32_t load4(const T* p) {
 }
 
 #if PAGEDLLM_X8_AVX2
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(load4(p)); }
 
 // Asks for the weight bytes kPrefetchDistance ahead of a block of kBytes (every cache line they
 // span). The weights are read once per call and nothing else hides the memory latency: at one

@@ -28,6 +28,11 @@ struct Lanes8 {
   using I = __m256i;
   using F = __m256;
   static constexpr int64_t kGroups = 1;
+  // the weight stream's bytes ahead of a block of kBytes (quant_interleaved.h)
+  template <int64_t kBytes>
+  PAGEDLLM_LANE static void prefetch(const uint8_t* p, int64_t) {
+    prefetch_ahead<kBytes>(p);
+  }
   PAGEDLLM_LANE static I load(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   // eight fp16 at p -> float lanes
   PAGEDLLM_LANE static F halves(const uint8_t* p, int64_t) {
@@ -78,6 +83,11 @@ struct Lanes16 {
   using I = __m512i;
   using F = __m512;
   static constexpr int64_t kGroups = 2;
+  template <int64_t kBytes>
+  PAGEDLLM_LANE static void prefetch(const uint8_t* p, int64_t stride) {
+    prefetch_ahead<kBytes>(p);
+    prefetch_ahead<kBytes>(p + stride);
+  }
   PAGEDLLM_LANE static I load(const uint8_t* p, int64_t stride) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(Lanes8::load(p, 0)), Lanes8::load(p + stride, 0), 1);
   }
