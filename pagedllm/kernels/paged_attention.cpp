@@ -699,6 +699,40 @@ inline __m256 qk8(const KV* k, const float* q, int m) {
   return sum8(a);
 }
 
+// qk8 for J query heads at once (rows q + j * D): each key's 8 values are loaded and widened
+// once for all J heads instead of once per head (widening fp16 / fp8 / int8 rows, not the FMAs,
+// bounded the single-head loop). Per head the same FMAs in the same order as qk8: the same bits.
+// J * 8 accumulators: J = 3 needs the 32 vector registers of AVX512VL (kQkHeads).
+template <int D, bool kFull, int J, typename KV>
+inline void qk8_heads(const KV* k, const float* q, int m, __m256 (&out)[J]) {
+  __m256 a[J][8];
+#pragma GCC unroll 8
+  for (int j = 0; j < J; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[j][i] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+  for (int c = 0; c < D / 8; ++c) {
+    __m256 qc[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) qc[j] = _mm256_loadu_ps(q + j * D + 8 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      if (kFull || i < m) {
+        const __m256 x = load8(k + i * D + 8 * c);
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) a[j][i] = _mm256_fmadd_ps(qc[j], x, a[j][i]);
+      }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < J; ++j) out[j] = sum8(a[j]);
+}
+
+#if defined(__AVX512VL__)
+constexpr int kQkHeads = 3;  // 24 accumulators + 3 query vectors + 1 key vector of 32 registers
+#else
+constexpr int kQkHeads = 1;  // 16 registers: qk8's 8 accumulators
+#endif
+
 // qk8 over int8 rows scaled per group (common.h int8_scale_groups(D) > 1): each group's partial
 // dots times its key's scale for it (s: the m keys' scales, row stride the groups per row).
 template <int D, bool kFull>
@@ -822,7 +856,25 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
   for (int64_t k = 0; k < nr; ++k) {
     const Run run = run_of(kp, k), ahead = stream(k + 2), second = k == 0 ? stream(1) : Run{nullptr, 0};
     const int64_t r = run_key(k) % bs, at = run_key(k) - t0, m = run.rows;
-    for (int64_t j = 0; j < G; ++j) {
+    // Heads kQkHeads at a time where the keys are not scaled per group: one widening of each key
+    // for all of them (qk8_heads), the rest one by one.
+    int64_t j = 0;
+    if constexpr (!kGrouped && kQkHeads > 1) {
+      for (; j + kQkHeads <= G; j += kQkHeads) {
+        const float* qj = q0 + j * D;
+        for (int64_t i0 = 0; i0 < m; i0 += 8) {
+          if (j == 0) {  // the first pass asks for the rows ahead, spread over its groups
+            if (ahead.p != nullptr) prefetch_rows<D>(ahead.p, i0, std::min(i0 + 8, ahead.rows));
+            if (second.p != nullptr) prefetch_rows<D>(second.p, i0, std::min(i0 + 8, second.rows));
+          }
+          __m256 x[kQkHeads];
+          if (r + i0 + 8 <= bs) qk8_heads<D, true>(run.p + i0 * D, qj, 8, x);
+          else qk8_heads<D, false>(run.p + i0 * D, qj, static_cast<int>(m - i0), x);
+          for (int u = 0; u < kQkHeads; ++u) _mm256_storeu_ps(S + (j + u) * ss + at + i0, x[u]);
+        }
+      }
+    }
+    for (; j < G; ++j) {
       const float* qj = q0 + j * D;
       float* sj = S + j * ss + at;
       // 8 lanes stored per group: the lanes past the run are overwritten by the next run, or are
