@@ -275,8 +275,33 @@ def test_float32_decode_kernel_does_not_depend_on_batch_or_threads():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("h,hkv,d", [(4, 4, 64), (8, 2, 64), (6, 2, 32), (16, 8, 128)])
+def test_float32_decode_kernel_rows_of_one_sequence_as_alone(h, hkv, d, kv_dtype):
+    """Rows of one sequence at consecutive lengths (a prefill chunk or a verifying pass, attended as
+    decode rows) share work items, each key read once for several of them: every row's output is
+    the same bits as alone, whatever rows come beside it, across chunk boundaries (lengths near
+    128 and 256, where a row's chunks change)."""
+    torch.manual_seed(0)
+    nb, bs = 64, 16
+    kc = (torch.randn(nb, hkv, bs, d) * 2).to(kv_dtype)
+    vc = (torch.randn(nb, hkv, bs, d) * 2).to(kv_dtype)
+    table, other = torch.randperm(nb)[:20], torch.randperm(nb)[:20]
+    lens = list(range(1, 8)) + [77] + list(range(120, 140)) + list(range(250, 262))
+    tables = torch.stack([other if n == 77 else table for n in lens])
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), h, d)
+    together = torch.empty_like(q)
+    kernels.paged_decode_attention(together, q, kc, vc, tables, seq_lens, 0.125)
+    for i, n in enumerate(lens):
+        alone, one = torch.empty_like(q[i : i + 1]), slice(i, i + 1)
+        kernels.paged_decode_attention(alone, q[one], kc, vc, tables[one], seq_lens[one], 0.125)
+        assert torch.equal(alone, together[one]), f"row of length {n}"
+
+
+@needs_kernel
 @pytest.mark.parametrize("window", [None, 24])
-@pytest.mark.parametrize("h,hkv,d", [(4, 2, 32), (9, 3, 64)])
+@pytest.mark.parametrize("h,hkv,d", [(4, 2, 32), (9, 3, 64), (4, 4, 64)])
 def test_float32_prefill_rows_do_not_depend_on_chunking(h, hkv, d, window):
     """Without a prefill kernel (float32 caches) each prefill query runs as a decode row, so its
     output is the same bits whatever chunk it came in, beside whatever decodes: torch's SDPA did

@@ -598,20 +598,26 @@ void attend_bf16_amx(const Geometry& g, int64_t s, int64_t h, int64_t len, const
 #define PAGEDLLM_AVX2_F32 1
 // float32 on AVX2 + FMA (the float path of CPUs without AVX512, e.g. AMD Zen 3).
 //
-// A work item is one chunk of keys of one (sequence, kv head): a long sequence's keys are split
-// so that a batch of one sequence (num_kv_heads items: 3 for 2 threads) still balances. The split
-// depends on the sequence's length alone (never on the batch or the thread count), and the chunks
-// are merged in order, so a sequence's output is the same bits in any batch. Per chunk: q.k of
-// 8 keys at a time (8 accumulators, one transpose-and-add tree for their 8 sums), softmax in
-// float (two passes over the chunk's scores, kept in thread-local scratch), then p.v with the
-// accumulators of up to 3 query heads x 32 dims in registers.
+// A work item is one chunk of keys of one kv head for one row, or for a group of rows of one
+// sequence at consecutive positions (a float32 prefill chunk or a verifying pass, attended as
+// decode rows, whose chunks fall alike): each key of the chunk is then read and widened once for
+// a pass of kQkHeads of the group's queries. A long row's keys are split into chunks so that a
+// batch of one (num_kv_heads items: 3 for 2 threads) still balances; the split depends on the
+// row's length alone (never on the batch, its group or the thread count), and its chunks are
+// merged in order, so a row's output is the same bits however it is batched: alone, in a group,
+// as a decode or as a prefill row. Per chunk: q.k of 8 keys at
+// a time (8 accumulators, one transpose-and-add tree for their 8 sums), softmax in float (two
+// passes over the chunk's scores, kept in thread-local scratch), then p.v with the accumulators
+// of up to 3 queries x 32 dims in registers.
 
 // Chunks of about kChunkKeys keys (a multiple of 16, so groups of 8 keys stay aligned to blocks
-// of 8 or 16 rows). Smaller chunks balance better but cost a (max, sum, acc) merge each.
+// of 8 or 16 rows), all of a row's the same size but the last. Smaller chunks balance better but
+// cost a (max, sum, acc) merge each.
 constexpr int64_t kChunkKeys = 128;
 
 struct ChunkPlan {
   int64_t n, len;  // number of chunks; keys per chunk (the last may be shorter)
+  bool operator==(const ChunkPlan& o) const { return n == o.n && len == o.len; }
 };
 inline ChunkPlan chunk_plan(int64_t len) {
   int64_t n = std::max<int64_t>(1, (len + kChunkKeys - 1) / kChunkKeys);
@@ -619,6 +625,8 @@ inline ChunkPlan chunk_plan(int64_t len) {
   n = std::max<int64_t>(1, (len + per - 1) / per);  // rounding up per may leave the last chunk empty
   return {n, per};
 }
+// Queries (rows x query heads) of one work item at most.
+constexpr int64_t kItemQueries = 24;
 
 // e^x for x <= 0 to ~2 float ulps, as exp16 (common.h) with the 2^n built from exponent bits.
 inline __m256 exp8(__m256 x) {
@@ -699,12 +707,12 @@ inline __m256 qk8(const KV* k, const float* q, int m) {
   return sum8(a);
 }
 
-// qk8 for J query heads at once (rows q + j * D): each key's 8 values are loaded and widened
+// qk8 for J queries at once (rows q[j]): each key's 8 values are loaded and widened
 // once for all J heads instead of once per head (widening fp16 / fp8 / int8 rows, not the FMAs,
 // bounded the single-head loop). Per head the same FMAs in the same order as qk8: the same bits.
 // J * 8 accumulators: J = 3 needs the 32 vector registers of AVX512VL (kQkHeads).
 template <int D, bool kFull, int J, typename KV>
-inline void qk8_heads(const KV* k, const float* q, int m, __m256 (&out)[J]) {
+inline void qk8_heads(const KV* k, const float* const* q, int m, __m256 (&out)[J]) {
   __m256 a[J][8];
 #pragma GCC unroll 8
   for (int j = 0; j < J; ++j)
@@ -714,7 +722,7 @@ inline void qk8_heads(const KV* k, const float* q, int m, __m256 (&out)[J]) {
   for (int c = 0; c < D / 8; ++c) {
     __m256 qc[J];
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) qc[j] = _mm256_loadu_ps(q + j * D + 8 * c);
+    for (int j = 0; j < J; ++j) qc[j] = _mm256_loadu_ps(q[j] + 8 * c);
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i)
       if (kFull || i < m) {
@@ -805,17 +813,19 @@ struct F32Run {
   int64_t rows;
 };
 
-// One chunk [t0, t1) of the keys of kv head h for its G query heads (rows q0 + j * D, unscaled).
-// Leaves the unnormalized p.v in acc [G][D], each head's scaled max score in mx and its sum of
-// e^(s - max) in sum. S: scratch [G][ss], ss >= t1 - t0 + 8. next: the first K run of the thread's
+// One chunk [t0, t1) of the keys of kv head h for G queries (rows qs[j], unscaled; query j sees
+// the chunk's first nq[j] >= 1 keys, the longest all of them). Leaves the unnormalized p.v in
+// acc [G][D], each query's scaled max score in mx and its sum of e^(s - max) in sum: per query
+// the same operations in the same order whichever queries come with it. S: scratch [G][ss],
+// ss >= t1 - t0 + 8. next: the first K run of the thread's
 // next item (null: none), asked for during this item's last V runs. int8: sc its scales, and
 // KS: scratch [2][ss] for the chunk's K and V scales in key order.
 template <int D, typename KV>
-void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV* vp, const int64_t* table,
-                      int64_t h, int64_t t0, int64_t t1, float scale, float* S, int64_t ss, float* acc, float* mx,
-                      float* sum, F32Run<KV> next, KvScales sc, float* KS) {
+void attend_f32_chunk(const Geometry& g, const float* const* qs, const int64_t* nq, int64_t G, const KV* kp,
+                      const KV* vp, const int64_t* table, int64_t h, int64_t t0, int64_t t1, float scale, float* S,
+                      int64_t ss, float* acc, float* mx, float* sum, F32Run<KV> next, KvScales sc, float* KS) {
   using Run = F32Run<KV>;
-  const int64_t G = g.group, bs = g.block_size, n = t1 - t0;
+  const int64_t bs = g.block_size, n = t1 - t0;
   // int8 scaled per group of values (NG per row) rather than per row: the groups' scales are
   // applied inside the dots (qk8_grouped) and per group of dims in p.v (pv_run), not per key
   constexpr int NG = kScaled<KV> ? static_cast<int>(int8_scale_groups(D)) : 1;
@@ -861,7 +871,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     int64_t j = 0;
     if constexpr (!kGrouped && kQkHeads > 1) {
       for (; j + kQkHeads <= G; j += kQkHeads) {
-        const float* qj = q0 + j * D;
+        const float* const* qj = qs + j;
         for (int64_t i0 = 0; i0 < m; i0 += 8) {
           if (j == 0) {  // the first pass asks for the rows ahead, spread over its groups
             if (ahead.p != nullptr) prefetch_rows<D>(ahead.p, i0, std::min(i0 + 8, ahead.rows));
@@ -875,7 +885,7 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
       }
     }
     for (; j < G; ++j) {
-      const float* qj = q0 + j * D;
+      const float* qj = qs[j];
       float* sj = S + j * ss + at;
       // 8 lanes stored per group: the lanes past the run are overwritten by the next run, or are
       // the padding past the chunk. Rows past the run but inside the block are read (stale rows
@@ -916,9 +926,10 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < G; ++j) {
     float* sj = S + j * ss;
+    const int64_t nj = nq[j];  // this query's keys: the first nj of the chunk
     __m256 vm = _mm256_set1_ps(-3.0e38f);
-    for (int64_t t = 0; t < n; t += 8) {
-      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
+    for (int64_t t = 0; t < nj; t += 8) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nj - t)), iota));
       __m256 x = _mm256_loadu_ps(sj + t);
       if constexpr (kScaled<KV> && !kGrouped) {  // the score: the key's scale times q . k
         x = _mm256_mul_ps(x, _mm256_loadu_ps(ksc + t));
@@ -932,8 +943,8 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     const float m = _mm_cvtss_f32(m4) * scale;
     const __m256 vmx = _mm256_set1_ps(m);
     __m256 vs = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; t += 8) {
-      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), iota));
+    for (int64_t t = 0; t < nj; t += 8) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nj - t)), iota));
       const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_loadu_ps(sj + t), vscale, vmx)), live);
       if constexpr (kScaled<KV> && !kGrouped)
         _mm256_storeu_ps(sj + t, _mm256_mul_ps(e, _mm256_loadu_ps(vsc + t)));  // p.v reads V unscaled
@@ -946,6 +957,9 @@ void attend_f32_chunk(const Geometry& g, const float* q0, const KV* kp, const KV
     s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
     mx[j] = m;
     sum[j] = _mm_cvtss_f32(s4);
+    // p.v runs over the chunk's n keys for every query: a shorter query's keys past its own
+    // weigh exactly 0 (its sums are its own keys' alone, as had it run alone)
+    for (int64_t t = (nj + 7) / 8 * 8; t < n; ++t) sj[t] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t k = 0; k < nr; ++k) {
@@ -1017,90 +1031,158 @@ template <int D, typename KV>
 void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const KV* kp, const KV* vp, float* op,
                      const int64_t* bt, const int64_t* lens, const int64_t* firsts, float scale, KvScales sc) {
   using Run = F32Run<KV>;
-  // Sequence s's keys are firsts[s] .. lens[s] - 1 (a sliding window's start, or 0); chunks split those.
-  auto visible = [&](int64_t s) { return lens[s] - firsts[s]; };
-  const int64_t H = g.num_kv_heads, G = g.group, R = chunk_record(G, D);
-  // Items (sequence, kv head, chunk) in that order: a (sequence, kv head)'s chunks are adjacent,
-  // so they mostly land on one thread, which merges them itself.
-  static thread_local std::vector<int64_t> first_item;  // per sequence, then the total
-  static thread_local std::vector<float> records;
-  first_item.resize(num_seqs + 1);
-  bool any_split = false;
-  first_item[0] = 0;
+  const int64_t H = g.num_kv_heads, G = g.group, R = chunk_record(G, D), bs = g.block_size, MB = g.max_blocks;
+  // Rows per group: enough for the group's queries to fill whole passes of kQkHeads (each key
+  // widened once per pass), no more: a larger group widens as often and balances worse.
+  const int64_t max_rows = G % kQkHeads == 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(kQkHeads, kItemQueries / G));
+  const int64_t ss = kChunkKeys + 8;
+  // Row s's keys are firsts[s] .. lens[s] - 1 (a sliding window's start, or 0), in the chunks of plan(s).
+  auto plan = [&](int64_t s) { return chunk_plan(lens[s] - firsts[s]); };
+  // Groups of rows: s joins the group of s - 1 when it is the next position of the same sequence
+  // (one more key, the same blocks), neither has a window and their chunks fall alike (the same
+  // plan). gfirst: each group's first row.
+  static thread_local std::vector<int64_t> gfirst, gitem;
+  static thread_local std::vector<ChunkPlan> gplan;  // each group's (each of its rows') chunks
+  gfirst.clear();
+  gplan.clear();
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t nch = chunk_plan(visible(s)).n;
-    any_split |= nch > 1;
-    first_item[s + 1] = first_item[s] + H * nch;
+    const ChunkPlan p = plan(s);
+    const bool joins = s > 0 && s - gfirst.back() < max_rows && firsts[s] == 0 && firsts[s - 1] == 0 &&
+                       lens[s - 1] > 0 && lens[s] == lens[s - 1] + 1 && p == gplan.back() &&
+                       std::equal(bt + (s - 1) * MB, bt + (s - 1) * MB + (lens[s - 1] + bs - 1) / bs, bt + s * MB);
+    if (!joins) {
+      gfirst.push_back(s);
+      gplan.push_back(p);
+    }
   }
-  const int64_t items = first_item[num_seqs];
-  if (any_split) records.resize(items * R);
-  const int64_t* fi = first_item.data();
-  float* rec = records.data();
-  auto locate = [&](int64_t item, int64_t& s, int64_t& h, int64_t& c) {
-    s = std::upper_bound(fi, fi + num_seqs + 1, item) - fi - 1;
-    const int64_t nch = (fi[s + 1] - fi[s]) / H;
-    h = (item - fi[s]) / nch;
-    c = (item - fi[s]) % nch;
+  const int64_t ngroups = static_cast<int64_t>(gfirst.size());
+  gfirst.push_back(num_seqs);
+  const int64_t* gf = gfirst.data();
+  const ChunkPlan* gp = gplan.data();
+  auto nch = [&](int64_t gi) { return gp[gi].n; };
+  // Items (group, kv head, chunk) in that order: a (group, kv head)'s chunks are adjacent, so they
+  // mostly land on one thread, which merges them itself.
+  gitem.resize(ngroups + 1);
+  gitem[0] = 0;
+  for (int64_t gi = 0; gi < ngroups; ++gi) gitem[gi + 1] = gitem[gi] + H * nch(gi);
+  const int64_t items = gitem[ngroups];
+  const int64_t* gi_at = gitem.data();
+  auto locate = [&](int64_t item, int64_t& gi, int64_t& h, int64_t& c) {
+    gi = std::upper_bound(gi_at, gi_at + ngroups + 1, item) - gi_at - 1;
+    const int64_t rel = item - gi_at[gi], n = gp[gi].n;
+    h = rel / n;
+    c = rel - h * n;
+  };
+  // Chunk c of group gi: keys [t0, t1) (t1 <= t0: a row with nothing visible), read by its rows
+  // from s_lo on (the group's rows are at consecutive lengths: those longer than t0; with one plan,
+  // all but where the shortest ends at t0).
+  struct Span {
+    int64_t t0, t1, s_lo, last;
+  };
+  auto span = [&](int64_t gi, int64_t c) {
+    const int64_t first = gf[gi], last = gf[gi + 1] - 1, t0 = firsts[first] + c * gp[gi].len;
+    Span x{t0, std::min(lens[last], t0 + gp[gi].len), first, last};
+    while (x.s_lo < last && lens[x.s_lo] <= x.t0) ++x.s_lo;
+    return x;
   };
   auto cost = [&](int64_t item) {
-    int64_t s, h, c;
-    locate(item, s, h, c);
-    const ChunkPlan p = chunk_plan(visible(s));
-    return std::min(p.len, visible(s) - c * p.len) + 8;
+    int64_t gi, h, c;
+    locate(item, gi, h, c);
+    const Span x = span(gi, c);
+    return x.t1 > x.t0 ? (x.last - x.s_lo + 1) * (x.t1 - x.t0 + 8) : 8;
   };
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> bounds = balanced_split(items, nthreads, cost);
   auto out_rows = [&](int64_t s, int64_t h) { return op + (s * g.num_heads + h * G) * D; };
   auto first_run = [&](int64_t item) {  // an item's first K run
-    int64_t s, h, c;
-    locate(item, s, h, c);
-    const ChunkPlan p = chunk_plan(visible(s));
-    const int64_t t0 = firsts[s] + c * p.len, t1 = std::min(lens[s], t0 + p.len), bs = g.block_size;
-    if (t1 <= t0) return Run{nullptr, 0};
-    return Run{kp + g.head_block(bt[s * g.max_blocks + t0 / bs], h) + t0 % bs * D, std::min(bs - t0 % bs, t1 - t0)};
+    int64_t gi, h, c;
+    locate(item, gi, h, c);
+    const Span x = span(gi, c);
+    if (x.t1 <= x.t0) return Run{nullptr, 0};
+    const int64_t* table = bt + x.last * MB;
+    return Run{kp + g.head_block(table[x.t0 / bs], h) + x.t0 % bs * D, std::min(bs - x.t0 % bs, x.t1 - x.t0)};
   };
+  // Each (group, kv head)'s records [rows][chunks][R]: in a thread's own scratch where all its
+  // items are that thread's; else (a thread boundary inside its items) in a slot of `split`,
+  // merged after the threads are done.
+  struct Split {
+    int64_t gi, h, at;
+  };
+  std::vector<Split> split;
+  int64_t split_floats = 0;
+  for (int64_t k = 1; k < nthreads; ++k) {
+    if (bounds[k] >= items) break;
+    int64_t gi, h, c;
+    locate(bounds[k], gi, h, c);
+    if (c == 0 || (!split.empty() && split.back().gi == gi && split.back().h == h)) continue;
+    split.push_back({gi, h, split_floats});
+    split_floats += (gf[gi + 1] - gf[gi]) * nch(gi) * R;
+  }
+  static thread_local std::vector<float> split_records;
+  if (split_floats > 0) split_records.resize(split_floats);
+  float* shared = split_records.data();
 
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
-    static thread_local std::vector<float> scratch;
+    static thread_local std::vector<float> scratch, own;
+    static thread_local std::vector<const float*> qs;
+    static thread_local std::vector<int64_t> nq;
     for (int64_t tid = tb; tid < te; ++tid) {
       for (int64_t item = bounds[tid]; item < bounds[tid + 1]; ++item) {
-        int64_t s, h, c;
-        locate(item, s, h, c);
-        const int64_t len = lens[s];
-        const ChunkPlan p = chunk_plan(visible(s));
-        const int64_t t0 = firsts[s] + c * p.len, t1 = std::min(len, t0 + p.len), ss = p.len + 8;
-        if (visible(s) == 0) {  // nothing visible: zeros rather than 0 / 0
-          std::fill(out_rows(s, h), out_rows(s, h) + G * D, 0.f);
+        int64_t gi, h, c;
+        locate(item, gi, h, c);
+        const Span x = span(gi, c);
+        const int64_t first = gf[gi], n_chunks = nch(gi);
+        if (x.t1 <= x.t0) {  // nothing visible: zeros rather than 0 / 0 (a group of that one row)
+          for (int64_t s = first; s <= x.last; ++s) std::fill(out_rows(s, h), out_rows(s, h) + G * D, 0.f);
           continue;
         }
-        const size_t need = static_cast<size_t>(G * ss + R + (kScaled<KV> ? 2 * ss : 0));
+        const int64_t rows = x.last - x.s_lo + 1, Q = rows * G;
+        qs.resize(Q);
+        nq.resize(Q);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < G; ++j) {
+            qs[r * G + j] = qp + (x.s_lo + r) * g.q_stride + (h * G + j) * D;
+            nq[r * G + j] = std::min(lens[x.s_lo + r], x.t1) - x.t0;
+          }
+        // where this (group, kv head)'s records go
+        const int64_t gh_first = gi_at[gi] + h * n_chunks;
+        const bool whole = gh_first >= bounds[tid] && gh_first + n_chunks <= bounds[tid + 1];
+        float* recs;
+        if (whole) {
+          const size_t floats = static_cast<size_t>((x.last - first + 1) * n_chunks * R);
+          if (own.size() < floats) own.resize(floats);
+          recs = own.data();
+        } else {
+          const Split* sp = &split[0];
+          while (sp->gi != gi || sp->h != h) ++sp;
+          recs = shared + sp->at;
+        }
+        const size_t need = static_cast<size_t>(Q * (ss + D + 2) + (kScaled<KV> ? 2 * ss : 0));
         if (scratch.size() < need) scratch.resize(need);
-        float* S = scratch.data();
-        // a split item writes its record; a whole one a record in scratch, normalized at once
-        float* r = p.n > 1 ? rec + item * R : S + G * ss;
-        attend_f32_chunk<D>(g, qp + s * g.q_stride + h * G * D, kp, vp, bt + s * g.max_blocks, h, t0, t1, scale, S,
-                            ss, r + 2 * G, r, r + G, item + 1 < bounds[tid + 1] ? first_run(item + 1) : Run{nullptr, 0},
-                            sc, S + G * ss + R);
-        if (p.n == 1) {
-          merge_chunks(r, 1, G, D, out_rows(s, h));
-        } else if (c == p.n - 1 && item - c >= bounds[tid]) {
-          merge_chunks(rec + (item - c) * R, p.n, G, D, out_rows(s, h));  // all chunks were this thread's
+        float *S = scratch.data(), *acc = S + Q * ss, *mx = acc + Q * D, *sum = mx + Q, *KS = sum + Q;
+        float* rec0 = recs + ((x.s_lo - first) * n_chunks + c) * R;
+        if (rows == 1) mx = rec0, sum = rec0 + G, acc = rec0 + 2 * G;  // one row: straight into its record
+        attend_f32_chunk<D>(g, qs.data(), nq.data(), Q, kp, vp, bt + x.last * MB, h, x.t0, x.t1, scale, S, ss, acc,
+                            mx, sum, item + 1 < bounds[tid + 1] ? first_run(item + 1) : Run{nullptr, 0}, sc, KS);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t s = x.s_lo + r;
+          if (rows > 1) {
+            float* rec = recs + ((s - first) * n_chunks + c) * R;
+            std::copy(mx + r * G, mx + r * G + G, rec);
+            std::copy(sum + r * G, sum + r * G + G, rec + G);
+            std::copy(acc + r * G * D, acc + (r + 1) * G * D, rec + 2 * G);
+          }
+          // the row's last chunk, all of them this thread's: merged now
+          if (whole && c == n_chunks - 1) merge_chunks(recs + (s - first) * n_chunks * R, n_chunks, G, D, out_rows(s, h));
         }
       }
     }
   });
-  if (!any_split) return;
-  // The (sequence, kv head)s whose chunks were on more than one thread: a thread boundary inside
-  // their chunks (several boundaries may fall inside one; it is merged once).
-  int64_t merged = -1;
-  for (int64_t k = 1; k < nthreads; ++k) {
-    const int64_t at = bounds[k];
-    if (at >= items) break;
-    int64_t s, h, c;
-    locate(at, s, h, c);
-    if (c == 0 || at - c == merged) continue;  // c == 0: the boundary is between two of them
-    merged = at - c;
-    merge_chunks(rec + merged * R, (fi[s + 1] - fi[s]) / H, G, D, out_rows(s, h));
+  // The (group, kv head)s whose chunks were on more than one thread.
+  for (const Split& sp : split) {
+    const int64_t first = gf[sp.gi], n_chunks = nch(sp.gi);
+    for (int64_t s = first; s < gf[sp.gi + 1]; ++s)
+      merge_chunks(shared + sp.at + (s - first) * n_chunks * R, n_chunks, G, D, out_rows(s, sp.h));
   }
 }
 
