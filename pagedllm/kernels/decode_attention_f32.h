@@ -319,23 +319,21 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
     h = rel / n;
     c = rel - h * n;
   };
-  // Chunk c of group gi: keys [t0, t1) (t1 <= t0: a row with nothing visible), read by its rows
-  // from s_lo on (the group's rows are at consecutive lengths: those longer than t0; with one plan,
-  // all but where the shortest ends at t0).
+  // Chunk c of group gi: keys [t0, t1) of its longest (last) row; t1 <= t0: a row with nothing
+  // visible. Every row of the group reads some of them: one plan of n chunks of `len` keys has
+  // (n - 1) * len < each row's length.
   struct Span {
-    int64_t t0, t1, s_lo, last;
+    int64_t t0, t1, last;
   };
   auto span = [&](int64_t gi, int64_t c) {
-    const int64_t first = gf[gi], last = gf[gi + 1] - 1, t0 = firsts[first] + c * gp[gi].len;
-    Span x{t0, std::min(lens[last], t0 + gp[gi].len), first, last};
-    while (x.s_lo < last && lens[x.s_lo] <= x.t0) ++x.s_lo;
-    return x;
+    const int64_t t0 = firsts[gf[gi]] + c * gp[gi].len, last = gf[gi + 1] - 1;
+    return Span{t0, std::min(lens[last], t0 + gp[gi].len), last};
   };
   auto cost = [&](int64_t item) {
     int64_t gi, h, c;
     locate(item, gi, h, c);
     const Span x = span(gi, c);
-    return x.t1 > x.t0 ? (x.last - x.s_lo + 1) * (x.t1 - x.t0 + 8) : 8;
+    return x.t1 > x.t0 ? (x.last - gf[gi] + 1) * (x.t1 - x.t0 + 8) : 8;
   };
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> bounds = balanced_split(items, nthreads, cost);
@@ -382,13 +380,13 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
           for (int64_t s = first; s <= x.last; ++s) std::fill(out_rows(s, h), out_rows(s, h) + G * D, 0.f);
           continue;
         }
-        const int64_t rows = x.last - x.s_lo + 1, Q = rows * G;
+        const int64_t rows = x.last - first + 1, Q = rows * G;
         qs.resize(Q);
         nq.resize(Q);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < G; ++j) {
-            qs[r * G + j] = qp + (x.s_lo + r) * g.q_stride + (h * G + j) * D;
-            nq[r * G + j] = std::min(lens[x.s_lo + r], x.t1) - x.t0;
+            qs[r * G + j] = qp + (first + r) * g.q_stride + (h * G + j) * D;
+            nq[r * G + j] = std::min(lens[first + r], x.t1) - x.t0;
           }
         // where this (group, kv head)'s records go
         const int64_t gh_first = gi_at[gi] + h * n_chunks;
@@ -406,12 +404,11 @@ void decode_f32_avx2(const Geometry& g, int64_t num_seqs, const float* qp, const
         const size_t need = static_cast<size_t>(Q * (ss + D + 2) + (kScaled<KV> ? 2 * ss : 0));
         if (scratch.size() < need) scratch.resize(need);
         float *S = scratch.data(), *acc = S + Q * ss, *mx = acc + Q * D, *sum = mx + Q, *KS = sum + Q;
-        float* rec0 = recs + ((x.s_lo - first) * n_chunks + c) * R;
-        if (rows == 1) mx = rec0, sum = rec0 + G, acc = rec0 + 2 * G;  // one row: straight into its record
+        if (rows == 1) mx = recs + c * R, sum = mx + G, acc = mx + 2 * G;  // one row: straight into its record
         attend_f32_chunk<D>(g, qs.data(), nq.data(), Q, kp, vp, bt + x.last * MB, h, x.t0, x.t1, scale, S, ss, acc,
                             mx, sum, item + 1 < bounds[tid + 1] ? first_run(item + 1) : Run{nullptr, 0}, sc, KS);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t s = x.s_lo + r;
+          const int64_t s = first + r;
           if (rows > 1) {
             float* rec = recs + ((s - first) * n_chunks + c) * R;
             std::copy(mx + r * G, mx + r * G + G, rec);
