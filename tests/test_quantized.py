@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from gguf_models import K_QUANTS, gguf_files_with_cache, pack_k_quant, tiny_gemma3_llama_cpp_hf, tiny_kquant_hf
 
@@ -19,8 +19,8 @@ from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 ROWS = (1, 5, 7, 64, 300)
-# repacked eight rows at a time (quant_gemm_interleaved.cpp; quant_gemm_q4k.cpp, quant_gemm_q6k.cpp)
-INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K)
+# repacked eight rows at a time (quant_gemm_interleaved.cpp; quant_gemm_q4k_q5k.cpp, quant_gemm_q6k.cpp)
+INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 REPACKED_IN_PLACE = (T.Q4_0, T.Q4_1, T.Q8_0)  # the same bytes, permuted (Q4_K's scales are unpacked)
 FIFTH_BITS_TRANSPOSED = (T.Q5_0, T.Q5_1)  # in place, the same bits permuted (within each block's qh)
 FINE_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # interleaved, inputs with a scale per 16 (down_proj)
@@ -112,6 +112,32 @@ def test_interleaved_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, r
     assert_kernel_arithmetic(y, x, wf, q16_activations(x) if qtype == T.Q8_0 else q8_activations(x))
 
 
+# Offsets of each format's fp16 scale fields (d, and m / dmin) in a block.
+SCALE_FIELDS = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+@pytest.mark.parametrize("rows", (1, 5, 16))
+@pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: t.name)
+def test_interleaved_quant_gemm_exact_at_the_largest_integers(kernels, qtype, rows):
+    """Every weight at its format's largest code (all bits set: Q5_K's 31, Q4_K's 15, the 6-bit
+    scales and mins 63) against activations of +-127 steps: the integer sums' largest values, which
+    the AVX2 path holds in int16 lanes for a few runs before widening (Q5_K: four runs of
+    2 * 31 * 127). Random blocks never come near; an overflow here is an error of whole units."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    n, k = 16, 512
+    raw = np.full((n, k // block, nbytes), 0xFF, dtype=np.uint8)
+    for o in SCALE_FIELDS.get(qtype, (0,)):
+        raw[..., o : o + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    w = torch.from_numpy(raw.reshape(n, -1))
+    wf = torch.from_numpy(dequantize(raw.reshape(n, -1), qtype).reshape(n, k).astype(np.float64))
+    p, code = interleaved(kernels, w, qtype)
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0] + [-1.0] * 11)[:rows, None]
+    x = signs * torch.ones(rows, k)  # every block's amax 1: q_x = +-127, d_x = 1 / 127
+    y = kernels.quant_gemm(x, p, code).double()
+    ref = x.double() @ wf.T
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def fine(kernels, w: torch.Tensor, qtype) -> tuple[torch.Tensor, int]:
     """(a repacked copy of GGUF rows w, quant_gemm's code for it with fine input scales)."""
     p, _ = interleaved(kernels, w, qtype)
@@ -163,8 +189,8 @@ def test_interleaving_permutes_the_file_bytes(kernels, qtype):
     elif qtype in FIFTH_BITS_TRANSPOSED:  # d (and m) and qs bytes permuted, each qh's bits transposed
         assert not torch.equal(p, w) and p.shape == w.shape
         assert np.unpackbits(p.numpy()).sum() == np.unpackbits(w.numpy()).sum()  # as many set bits
-    elif qtype == T.Q4_K:  # 8 rows x 144 bytes a super-block, plus its 6-bit scales and mins as bytes
-        assert p.shape == (24, 1184 // 8)
+    elif qtype in (T.Q4_K, T.Q5_K):  # 8 rows x 144 / 176 bytes a super-block, plus 6-bit scales and mins as bytes
+        assert p.shape == (24, (1184 if qtype == T.Q4_K else 1440) // 8)
     else:  # Q6_K: the file's bytes, regrouped
         assert p.shape == w.shape and not torch.equal(p, w)
         assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)
@@ -222,7 +248,7 @@ def test_zero_rows_and_zero_activations(kernels):
     assert torch.equal(kernels.quant_gemm(torch.zeros(3, 64), w, int(T.Q4_1)), torch.zeros(3, 16))
 
 
-@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K), ids=lambda t: t.name)
 def test_quantized_linear_kernel_and_reference_paths(kernels, qtype):
     # seeded: over 300 draws of x the worst output's error reached 0.0091-0.0100 of the largest
     # output (median 0.0054, Q4_K / Q6_K / Q4_0 / Q5_1), against the 1e-2 below; unseeded, the
@@ -348,7 +374,7 @@ def _hidden(llm: LLM, ids: torch.Tensor) -> torch.Tensor:
 # Max logit error allowed, as a fraction of the logit scale. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K
 # layers (the legacy files', and the K-quant file's Q4_K and Q6_K ones) run int8 activations
 # (llama.cpp's scheme: amax / 254 per element, ~0.4% of a typical element) through two layers and
-# the head of this random model: a few percent. Q5_K / Q8_0 layers run int16 ones (~1e-5 relative rounding).
+# the head of this random model: a few percent. Q8_0 layers run int16 ones (~1e-5 relative rounding).
 KERNEL_LOGIT_TOLERANCE = {"legacy": 5e-2, "kquant": 5e-2, "qwen2": 5e-2, "qwen3": 5e-2, "gemma3": 5e-2}
 
 
@@ -379,14 +405,15 @@ def test_gguf_models_take_the_fused_path(gguf_files, kernels, which, quantizatio
 
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
 def test_native_load_interleaves_the_formats_with_that_kernel(gguf_files, kernels, which):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K layers (rows a multiple of 8) are repacked for the
-    interleaved kernels at load; Q5_K keeps the file's order."""
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K layers (rows a multiple of 8) are repacked
+    for the interleaved kernels at load: every layer of both files (the K-quant file's o_proj in Q5_K)."""
     model = LLM(model=gguf_files[which], dtype="float32", num_kv_blocks=32, quantization="gguf").llm_engine.model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     expected = [m.qtype in {int(t) for t in INTERLEAVED} and m.out_features % 8 == 0 for m in layers]
     assert [m.interleaved for m in layers] == expected
     assert any(expected)
-    assert all(m.interleaved for m in layers) == (which == "legacy")  # the K-quant file: Q5_K too
+    assert all(m.interleaved for m in layers)
+    assert (which == "kquant") == any(m.qtype == int(T.Q5_K) for m in layers)
     # fine input scales: the MLP's down projection only, where its format has them
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     nibbles = {int(t) for t in FINE_SCALES}

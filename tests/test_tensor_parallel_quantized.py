@@ -43,17 +43,17 @@ _K_SPLITTABLE = {
 # additions (the all-reduce sums two partial sums): ~1e-6 relative per GEMM. The next layer then
 # requantizes its activations, and a value that sits at a rounding midpoint may round the other
 # way: one quantization step of that one value, amax / 127 for the int8 activations of the Q4_x
-# kernel (1/254 of the block's largest value, relative), amax / 32767 for the int16 ones (Q8_0, the
-# K-quants). Over 8 prompts x 32 greedy tokens a few such flips happen; their effect on a logprob
-# stays below the kernel's own quantization error, and far below what would flip a greedy token.
-# Measured on these files (max over the prompts): TP=2 vs TP=1 on the kernels 2e-4 (Q8_0), 1e-2
-# (Q4_0; 3.2e-2 once down_proj's input took a scale per 16: twice the blocks, twice the
-# midpoints), 2e-2 to 6.5e-2 over runs of the same build (K-quants: its Q4_K and Q6_K layers run int8
-# activations like Q4_0's, and which values sit at a rounding midpoint shifts with the
-# additions' order; 7e-4 when they ran int16 ones). The TP=1 kernel path differs from its own
-# reference path by 4e-4 (Q8_0) and ~1e-1 (int8 activations, its greedy tokens part): the bounds
-# below are 3-10x the TP measurements, and no wider than that distance for int8 activations. The
-# reference path (no activation quantization) differs by fp32 order only: 2e-6 to 2e-5 measured.
+# kernel (1/254 of the block's largest value, relative), amax / 32767 for the int16 ones (Q8_0).
+# Over 8 prompts x 32 greedy tokens a few such flips happen; their effect on a logprob stays below
+# the kernel's own quantization error, and far below what would flip a greedy token. Measured on
+# these files (max over the prompts): TP=2 vs TP=1 on the kernels 2e-4 (Q8_0), 1e-2 (Q4_0; 3.2e-2
+# once down_proj's input took a scale per 16: twice the blocks, twice the midpoints), 2e-2 to
+# 6.5e-2 over runs of the same build (K-quants: its Q4_K, Q5_K, Q6_K layers run int8 activations like
+# Q4_0's, and which values sit at a rounding midpoint shifts with the additions' order; 7e-4 when
+# they ran int16 ones). The TP=1 kernel path differs from its own reference path by 4e-4 (Q8_0)
+# and ~1e-1 (int8 activations, its greedy tokens part): the bounds below are 3-10x the TP
+# measurements, and no wider than that distance for int8 activations. The reference path (no
+# activation quantization) differs by fp32 order only: 2e-6 to 2e-5 measured.
 LOGPROB_TOLERANCE = {"llama_q8_0": 2e-3, "qwen2_q4_0": 1e-1, "kquant": 1e-1}
 REFERENCE_TOLERANCE = 1e-4
 

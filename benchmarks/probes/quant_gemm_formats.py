@@ -29,7 +29,8 @@ def random_rows(qtype: GGMLQuantizationType) -> torch.Tensor:
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(N, K // block, nbytes), dtype=np.uint8)
     # offsets of the block's fp16 d (and m / dmin): first, except Q6_K's d, last
-    scale_offsets = {T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q6_K: [nbytes - 2]}.get(qtype, [0])
+    offsets = {T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [nbytes - 2]}
+    scale_offsets = offsets.get(qtype, [0])
     for o in scale_offsets:
         raw[:, :, o : o + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(N, -1))
@@ -56,7 +57,7 @@ def report(name: str, gemm, nbytes: int) -> None:
 def main() -> None:
     kernels = load_cpu_kernels()
     print(f"kernels: {kernels.compiled_isa()}, threads {torch.get_num_threads()}")
-    for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K):
+    for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K):
         w = random_rows(qtype)
         layouts = [("file rows", w, int(qtype))]
         code = kernels.interleaved_qtype(int(qtype))

@@ -58,12 +58,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_supports", &quant_gemm_supports, "whether quant_gemm handles this GGMLQuantizationType");
   m.def("quant_gemm_simd", &quant_gemm_simd, "whether quant_gemm was built with AVX2 integer dot products");
   m.def("quant_interleave_rows", &quant_interleave_rows,
-        "repack Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (in place) or Q4_K / Q6_K (a new tensor) rows, a multiple of 8, "
+        "repack Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (in place) or Q4_K / Q5_K / Q6_K (a new tensor) rows, a multiple of 8, "
         "eight rows per group, for quant_gemm_interleaved; returns the repacked tensor");
   m.def("quant_interleaved_rows", &quant_interleaved_rows,
         "rows `ids` of weights repacked by quant_interleave_rows, as GGUF rows (embedding lookups)");
   m.def("quant_gemm_interleaved", &quant_gemm_interleaved,
-        "x @ W^T with W interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K (int8 activation blocks) or Q8_0 "
+        "x @ W^T with W interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K (int8 activation blocks) or Q8_0 "
         "(int16) groups");
   m.def("compiled_isa", &compiled_isa, "the instruction-set features this build was compiled with");
   m.def("release_scratch", &release_scratch, "frees the idle buffers of the kernels' output pool; returns their bytes");

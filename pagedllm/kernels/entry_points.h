@@ -29,7 +29,7 @@ torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<t
 bool packed_gemm_available();
 bool amx_available();
 torch::Tensor packed_gemm_argmax(torch::Tensor x, torch::Tensor packed);
-// quant_gemm's type codes for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights repacked by
+// quant_gemm's type codes for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights repacked by
 // quant_interleave_rows (as ggml gives its repacked Q4_0_8_8 a type of its own): the GGUF type + kInterleaved.
 constexpr int64_t kInterleaved = 1000;
 // On top of kInterleaved, + kFineScales: Q4_0 / Q4_1 / Q5_0 / Q5_1 repacked alike, their
@@ -48,9 +48,10 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
 // AVX512-VNNI (quant_gemm_interleaved_panels.cpp): false where it does not run (too few rows, no VNNI).
 bool quant_gemm_interleaved_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t qtype,
                               float* y);
-torch::Tensor quant_q4k_interleave(torch::Tensor w);
-torch::Tensor quant_q4k_rows(torch::Tensor w, torch::Tensor ids);
-torch::Tensor quant_gemm_q4k(torch::Tensor x, torch::Tensor w);
+// Q4_K (five false) or Q5_K (quant_gemm_q4k_q5k.cpp).
+torch::Tensor quant_q45k_interleave(torch::Tensor w, bool five);
+torch::Tensor quant_q45k_rows(torch::Tensor w, torch::Tensor ids, bool five);
+torch::Tensor quant_gemm_q45k(torch::Tensor x, torch::Tensor w, bool five);
 torch::Tensor quant_q6k_interleave(torch::Tensor w);
 torch::Tensor quant_q6k_rows(torch::Tensor w, torch::Tensor ids);
 torch::Tensor quant_gemm_q6k(torch::Tensor x, torch::Tensor w);

@@ -23,8 +23,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 NARROW_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # GGMLQuantizationType values, and quant_gemm's offset for their interleaved repacking
 # (entry_points.h kInterleaved).
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
-INTERLEAVED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+INTERLEAVED_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 INTERLEAVED_OFFSET = 1000
 # On top of an interleaved code (entry_points.h kFineScales): activations quantized with a scale
 # per 16 values instead of 32, for the 4- and 5-bit formats whose blocks split into two nibble halves.
@@ -231,7 +231,7 @@ class CpuKernels:
         return self._m.quant_gemm(x, w, qtype)
 
     def interleaved_qtype(self, qtype: int) -> int | None:
-        """quant_gemm's code for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights repacked eight
+        """quant_gemm's code for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights repacked eight
         rows at a time (None for other formats, and for a build without that kernel). The kernel it
         selects is the faster one at every row count."""
         if qtype not in INTERLEAVED_TYPES or not self._m.quant_gemm_supports(INTERLEAVED_OFFSET + qtype):
@@ -250,8 +250,9 @@ class CpuKernels:
 
     def quant_interleave_rows(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
         """Rows w [N, bytes] (N a multiple of 8) repacked for quant_gemm: Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-        Q8_0 in place (w returned; Q5_x's fifth bits transposed), Q4_K / Q6_K into a new tensor
-        (Q4_K's scales unpacked: 1184 bytes per 8 x 256 values; Q6_K regrouped, the same size)."""
+        Q8_0 in place (w returned; Q5_x's fifth bits transposed), Q4_K / Q5_K / Q6_K into a new tensor
+        (Q4_K's and Q5_K's scales unpacked: 1184 / 1440 bytes per 8 x 256 values; Q6_K regrouped, the
+        same size)."""
         return self._m.quant_interleave_rows(w, qtype)
 
     def quant_interleaved_rows(self, w: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:

@@ -458,7 +458,7 @@ constexpr int64_t kDecodeFromRows = 4;
 
 bool quant_gemm_supports(int64_t qtype) {
   switch (qtype - kInterleaved) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q6_K: return true;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
     case kFineScales + Q4_0: case kFineScales + Q4_1: case kFineScales + Q5_0: case kFineScales + Q5_1: return true;
     default: break;
   }
@@ -469,7 +469,7 @@ bool quant_gemm_supports(int64_t qtype) {
 bool quant_gemm_simd() { return PAGEDLLM_QAVX2; }
 
 // x: [M, K] float32; w: [N, K / block_elems * block_bytes] uint8 (the GGUF rows, in order) -> [M, N] float32.
-// Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K (qtype kInterleaved + type) go to
+// Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K (qtype kInterleaved + type) go to
 // quant_gemm_interleaved.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   if (qtype >= kInterleaved) return quant_gemm_interleaved(x, w, qtype - kInterleaved);

@@ -320,10 +320,10 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 }  // namespace
 
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: repacked in place (the same bytes, permuted; Q5_x's fifth bits
-// transposed), returns w; Q4_K, Q6_K: a new
-// tensor (quant_gemm_q4k.cpp: its scales unpacked; quant_gemm_q6k.cpp: regrouped).
+// transposed), returns w; Q4_K, Q5_K, Q6_K: a new
+// tensor (quant_gemm_q4k_q5k.cpp: their scales unpacked; quant_gemm_q6k.cpp: regrouped).
 torch::Tensor quant_interleave_rows(torch::Tensor w, int64_t qtype) {
-  if (qtype == ilv::kQ4K) return quant_q4k_interleave(w);
+  if (qtype == ilv::kQ4K || qtype == ilv::kQ5K) return quant_q45k_interleave(w, qtype == ilv::kQ5K);
   if (qtype == ilv::kQ6K) return quant_q6k_interleave(w);
   const ilv::Layout l = ilv::layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleave_rows: bad w");
@@ -343,7 +343,7 @@ torch::Tensor quant_interleave_rows(torch::Tensor w, int64_t qtype) {
 }
 
 torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tensor ids) {
-  if (qtype == ilv::kQ4K) return quant_q4k_rows(w, ids);
+  if (qtype == ilv::kQ4K || qtype == ilv::kQ5K) return quant_q45k_rows(w, ids, qtype == ilv::kQ5K);
   if (qtype == ilv::kQ6K) return quant_q6k_rows(w, ids);
   const ilv::Layout l = ilv::layout_of(qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_interleaved_rows: bad w");
@@ -363,7 +363,7 @@ torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tens
 
 // x: [M, K] float32; w: [N, bytes] interleaved by quant_interleave_rows -> [M, N] float32.
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype) {
-  if (qtype == ilv::kQ4K) return quant_gemm_q4k(x, w);
+  if (qtype == ilv::kQ4K || qtype == ilv::kQ5K) return quant_gemm_q45k(x, w, qtype == ilv::kQ5K);
   if (qtype == ilv::kQ6K) return quant_gemm_q6k(x, w);
   const int64_t format = fine_scales_format(qtype);
   ilv::layout_of(format);  // checks the format

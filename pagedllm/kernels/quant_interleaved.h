@@ -1,5 +1,5 @@
 // What the kernels of weights repacked eight rows at a time share (quant_gemm_interleaved.cpp:
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0; quant_gemm_q4k.cpp: Q4_K; quant_gemm_q6k.cpp: Q6_K): the
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0; quant_gemm_q4k_q5k.cpp: Q4_K / Q5_K; quant_gemm_q6k.cpp: Q6_K): the
 // activation rows quantized once per call, broadcasts of activation bytes to every row lane, and
 // the weight-stream prefetch.
 #pragma once
@@ -48,7 +48,7 @@ namespace ilv {
 
 constexpr int64_t kRows = 8;  // weight rows per group: the lanes of a 256-bit register
 
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, kQ4K = 12, kQ6K = 14 };  // GGUF types
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, kQ4K = 12, kQ5K = 13, kQ6K = 14 };  // GGUF types
 
 // The 4- / 5-bit formats' constants: weights unsigned (0..15 / 0..31), Q4_0 / Q5_0 centred by
 // subtracting kBias * sum(q_x), Q4_1 / Q5_1 adding their min.
@@ -117,7 +117,7 @@ Activations<Q> quantize_activations(const float* x, int64_t M, int64_t K, bool w
   return {qp, dp, sp, K, nb, dsp};
 }
 
-// Super-block formats repacked eight rows at a time (Q4_K, Q6_K): a group's super-block s holds
+// Super-block formats repacked eight rows at a time (Q4_K, Q5_K, Q6_K): a group's super-block s holds
 // its eight rows' super-block s, laid out by the format's to_group(file_block, row, group_block).
 inline void check_group_rows(const torch::Tensor& w, int64_t row_bytes_per_super, const char* what) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), what,

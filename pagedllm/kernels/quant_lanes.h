@@ -1,4 +1,4 @@
-// The registers a group kernel (quant_gemm_interleaved.cpp, quant_gemm_q4k.cpp,
+// The registers a group kernel (quant_gemm_interleaved.cpp, quant_gemm_q4k_q5k.cpp,
 // quant_gemm_q6k.cpp) works in: one group's eight weight rows in the eight 32-bit lanes of a
 // 256-bit register (Lanes8), or two adjacent groups' sixteen rows in a 512-bit one (Lanes16,
 // AVX512-VNNI).

@@ -4,9 +4,10 @@ A layer holds the file's bytes for its rows, ``qweight`` [N, K / block * block_b
 never a float copy. ``forward`` runs the compiled integer kernel where it handles the format:
 Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights are repacked eight rows at a time (the same bytes,
 permuted, Q5_x's fifth bits transposed; as llama.cpp repacks Q4_0) for
-kernels/quant_gemm_interleaved.cpp (int8 activations for Q4_x / Q5_x, int16 for Q8_0); Q4_K
-likewise, its 6-bit scales unpacked to bytes (kernels/quant_gemm_q4k.cpp, int8 activations); Q5_K
-and Q6_K keep the file's order for kernels/quant_gemm.cpp, int16 activations.
+kernels/quant_gemm_interleaved.cpp (int8 activations for Q4_x / Q5_x, int16 for Q8_0); Q4_K and
+Q5_K likewise, their 6-bit scales unpacked to bytes (kernels/quant_gemm_q4k_q5k.cpp), Q6_K
+regrouped (kernels/quant_gemm_q6k.cpp), int8 activations. A layer whose rows are not a multiple
+of eight keeps the file's order for kernels/quant_gemm.cpp, int16 activations.
 Without kernels the reference path dequantizes the layer for this call only (gguf-py's own
 dequantizer, independent of the kernels) and runs F.linear. The reference is what the kernels are tested against.
 """
