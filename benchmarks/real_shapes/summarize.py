@@ -81,8 +81,11 @@ def rows(out: str) -> list[dict]:
     paged = paged_results(out)
     bandwidth = read_json(os.path.join(out, "bandwidth.json"))
     order = ["Q4_K_M", "Q4_0", "Q8_0"]
+    names = os.listdir(os.path.join(out, "llamacpp"))
+    if os.path.isdir(os.path.join(out, "batched")):  # a batched-only run has no llama-bench files
+        names += [f for f in os.listdir(os.path.join(out, "batched")) if f.endswith("-llama-batched-bench.jsonl")]
     quants = sorted(
-        {f.split("-")[0] for f in os.listdir(os.path.join(out, "llamacpp")) if f.endswith(".json")},
+        {f.split("-")[0] for f in names if f.endswith((".json", ".jsonl"))},
         key=lambda q: order.index(q) if q in order else len(order),
     )
     out_rows = []

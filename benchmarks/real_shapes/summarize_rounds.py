@@ -1,12 +1,12 @@
-"""The decode floor bar over rounds (decode_floor_rounds.sh): each round's bandwidth, floor and
-both engines' decode ms/token, and the medians over rounds.
+"""Bars over rounds (run_rounds.sh): each round's figures and ratios, and the medians over rounds.
 
-    python3 summarize_rounds.py OUT [RESULTS_DIR]
+    python3 summarize_rounds.py OUT [RESULTS_DIR [NAME]]
 
-OUT holds round-1, round-2, ... (each a run_baseline.sh folder with the "bandwidth decode" parts).
-With RESULTS_DIR: writes decode_floor.json and decode_floor.md there. A round's floor is the
-weight bytes a decode step reads / the read bandwidth measured at that round's start; the ratios
-are the round's own. The medians are over rounds, each quantity separately.
+OUT holds round-1, round-2, ... (each a run_baseline.sh folder). Columns are those the rounds
+measured: decode against the floor ("bandwidth decode": a round's floor is the weight bytes a
+decode step reads / the read bandwidth measured at that round's start) and 32 x (150 + 128)
+("batched"). The ratios are each round's own; the medians are over rounds, each quantity
+separately. With RESULTS_DIR: writes NAME.json and NAME.md there (NAME: decode_floor).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ KEYS = (  # (key, header, decimals)
     ("llama_over_floor", "llama.cpp / floor", 2),
     ("pagedllm_decode_over_floor", "pagedllm / floor (bar <= 1.15)", 2),
     ("paged_over_llama", "pagedllm / llama.cpp", 2),
+    ("llamacpp_batched32_total_tok_s", "llama.cpp 32 x (150+128) tok/s", 1),
+    ("pagedllm_batched32_total_tok_s", "pagedllm 32 x (150+128) tok/s", 1),
+    ("ratio_batched_paged_over_llama", "batched paged / llama.cpp (bar >= 2)", 2),
 )
 
 
@@ -54,14 +57,16 @@ def table(by_file: dict[str, list[dict]]) -> str:
     def f(x, d):
         return "-" if x is None else f"{x:.{d}f}"
 
-    lines = ["| file | round | " + " | ".join(h for _, h, _ in KEYS) + " |", "|" + " --- |" * (len(KEYS) + 2)]
+    every = [r for rs in by_file.values() for r in rs]
+    keys = [(k, h, d) for k, h, d in KEYS if any(r[k] is not None for r in every)]
+    lines = ["| file | round | " + " | ".join(h for _, h, _ in keys) + " |", "|" + " --- |" * (len(keys) + 2)]
     for rs in by_file.values():
         for r in (*rs, medians(rs)):
-            lines.append(f"| {r['file']} | {r['round']} | " + " | ".join(f(r[k], d) for k, _, d in KEYS) + " |")
+            lines.append(f"| {r['file']} | {r['round']} | " + " | ".join(f(r[k], d) for k, _, d in keys) + " |")
     return "\n".join(lines)
 
 
-def main(out: str, results_dir: str | None = None) -> int:
+def main(out: str, results_dir: str | None = None, name: str = "decode_floor") -> int:
     by_file = round_rows(out)
     machine = ""
     first = os.path.join(out, "round-1", "machine.txt")
@@ -73,12 +78,12 @@ def main(out: str, results_dir: str | None = None) -> int:
     if results_dir:
         os.makedirs(results_dir, exist_ok=True)
         result = {"machine": machine.splitlines(), "rounds": by_file, "medians": [medians(r) for r in by_file.values()]}
-        with open(os.path.join(results_dir, "decode_floor.json"), "w") as fh:
+        with open(os.path.join(results_dir, f"{name}.json"), "w") as fh:
             json.dump(result, fh, indent=2)
-        with open(os.path.join(results_dir, "decode_floor.md"), "w") as fh:
+        with open(os.path.join(results_dir, f"{name}.md"), "w") as fh:
             fh.write("```\n" + machine + "\n```\n\n" + table(by_file) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], (sys.argv[2:] or [None])[0]))
+    sys.exit(main(*sys.argv[1:4]))
