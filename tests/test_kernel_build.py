@@ -37,8 +37,8 @@ def test_kernels_build_where_a_compiler_exists():
 
 
 # AMX + AVX512-BF16 (Sapphire Rapids), AVX512-BF16 without AMX (Cooper Lake: the ISA of AMD Zen 4, a
-# name older compilers know), no AVX512 at all.
-@pytest.mark.parametrize("march", ["sapphirerapids", "cooperlake", "x86-64-v3"])
+# name older compilers know), AVX-VNNI without AVX512 (Alder Lake), no AVX512 or VNNI at all.
+@pytest.mark.parametrize("march", ["sapphirerapids", "cooperlake", "alderlake", "x86-64-v3"])
 def test_kernels_compile_for_each_cpu_generation(march, tmp_path):
     if COMPILER is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C++ compiler on x86-64")
@@ -128,6 +128,24 @@ def test_isa_switch_is_validated(monkeypatch):
     assert selected_level() == "avx2"
 
 
+def test_avxvnni_is_refused_where_the_cpu_has_none(monkeypatch):
+    """A build for an instruction the CPU lacks dies of SIGILL at the first use: refused by name."""
+    from pagedllm.kernels import build
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 levels")
+    monkeypatch.setenv("PAGEDLLM_ISA", "avxvnni")
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512_vnni"})
+    with pytest.raises(ValueError, match="no AVX-VNNI"):
+        build.selected_level()
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
+    assert build.selected_level() == "avxvnni"
+    # an AVX2-only Intel CPU with AVX-VNNI: its native build is the avxvnni paths, the avx2 level differs
+    assert build.levels_here() == ["native", "avx2", "portable"]
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx_vnni"})
+    assert build.levels_here() == ["native", "avxvnni", "avx2", "portable"]
+
+
 LEVELS = levels_here()
 
 
@@ -138,7 +156,9 @@ def test_each_level_is_compiled_for_its_instruction_set(level):
         pytest.skip("the CPU kernels cannot be built here")
     features = set(kernels.compiled_isa().split())
     if level == "avx2":
-        assert "avx2+fma" in features and not any(f.startswith(("avx512", "amx")) for f in features)
+        assert "avx2+fma" in features and not any(f.startswith(("avx512", "amx", "avxvnni")) for f in features)
+    elif level == "avxvnni":
+        assert {"avx2+fma", "avxvnni"} <= features and not any(f.startswith(("avx512", "amx")) for f in features)
     elif level == "portable":
         assert features == {"portable"}
     elif "avx512f" in cpu_flags():

@@ -23,6 +23,9 @@ static std::string compiled_isa() {
 #if defined(__AVX512VNNI__)
   add(true, "avx512vnni");
 #endif
+#if defined(__AVXVNNI__)
+  add(true, "avxvnni");
+#endif
 #if defined(__AVX512BF16__)
   add(true, "avx512bf16");
 #endif

@@ -4,7 +4,9 @@ The kernels choose their code paths at compile time (AMX tiles, AVX512-BF16, AVX
 C++), so each level is a build of its own, compiled with that level's ``-march``:
 
 - ``native``: everything this CPU has (on an AVX512 machine its AVX512 paths, AMX where present);
-- ``avx2``: x86-64-v3 (AVX2, FMA, F16C), the paths of CPUs without AVX512 (AMD Zen 3);
+- ``avxvnni``: x86-64-v3 plus AVX-VNNI, the paths of Intel CPUs without AVX512 (Alder Lake and
+  later clients, Sierra Forest): the integer kernels' VNNI dot products on 256-bit registers;
+- ``avx2``: x86-64-v3 (AVX2, FMA, F16C), the paths of CPUs without AVX512 or VNNI (AMD Zen 3);
 - ``portable``: x86-64 with no vector extension beyond SSE2: the plain C++ paths.
 
 ``PAGEDLLM_ISA`` picks the level the engine loads (``native`` unless set), so a machine can run,
@@ -36,13 +38,14 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 KERNEL_SOURCE_DIR = Path(__file__).resolve().parent
-ISA_LEVELS = ("native", "avx2", "portable")
+ISA_LEVELS = ("native", "avxvnni", "avx2", "portable")
 # -ffast-math lets gcc call glibc's vectorized expf; the kernels never produce inf or NaN.
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 _X86 = platform.machine() in ("x86_64", "AMD64")
 LEVEL_FLAGS = {
     # 512-bit vectors: gcc defaults to 256 on many Intel targets.
     "native": ["-march=native", "-mprefer-vector-width=512"] if _X86 else ["-mcpu=native"],
+    "avxvnni": ["-march=x86-64-v3", "-mavxvnni"],
     "avx2": ["-march=x86-64-v3"],
     "portable": ["-march=x86-64"],
 }
@@ -78,7 +81,10 @@ def levels_here() -> list[str]:
         return ["native"]
     flags = cpu_flags()
     levels = ["native"]
-    if {"avx2", "fma", "f16c"} <= flags and "avx512f" in flags:
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    if avx2 and "avx_vnni" in flags and "avx512f" in flags:
+        levels.append("avxvnni")
+    if avx2 and ("avx512f" in flags or "avx_vnni" in flags):
         levels.append("avx2")
     if "avx2" in flags:
         levels.append("portable")
@@ -92,6 +98,8 @@ def selected_level() -> str:
         raise ValueError(f"PAGEDLLM_ISA={level!r}: expected one of {', '.join(ISA_LEVELS)}")
     if level != "native" and not _X86:
         raise ValueError(f"PAGEDLLM_ISA={level!r} names an x86 level; this machine is {platform.machine()}")
+    if level == "avxvnni" and "avx_vnni" not in cpu_flags():
+        raise ValueError("PAGEDLLM_ISA='avxvnni': this CPU has no AVX-VNNI (its build stops at the first vpdpbusd)")
     return level
 
 

@@ -20,9 +20,10 @@
 #else
 #define PAGEDLLM_X8_AVX2 0
 #endif
-// AVX512-VNNI on 256-bit registers (vpdpbusd: four u8 x s8 products summed into each int32 lane,
-// no 16-bit intermediate): Zen 4 / 5, Ice Lake and later Intel.
-#if PAGEDLLM_X8_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// VNNI on 256-bit registers (vpdpbusd: four u8 x s8 products summed into each int32 lane, no
+// 16-bit intermediate): AVX512-VNNI (Zen 4 / 5, Ice Lake and later Intel), or AVX-VNNI, its VEX
+// form on the Intel CPUs without AVX512 (Alder Lake and later clients, Sierra Forest).
+#if PAGEDLLM_X8_AVX2 && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #define PAGEDLLM_X8_VNNI 1
 #else
 #define PAGEDLLM_X8_VNNI 0

@@ -62,9 +62,12 @@ struct Lanes8 {
   PAGEDLLM_LANE static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
   PAGEDLLM_LANE static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
   PAGEDLLM_LANE static I mullo32(I a, I b) { return _mm256_mullo_epi32(a, b); }
-#if PAGEDLLM_X8_VNNI
+#if PAGEDLLM_X8_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   PAGEDLLM_LANE static I dpbusd(I acc, I u8, I s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
   PAGEDLLM_LANE static I dpwssd(I acc, I a, I b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif PAGEDLLM_X8_VNNI  // AVX-VNNI: the same instructions, VEX-encoded
+  PAGEDLLM_LANE static I dpbusd(I acc, I u8, I s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+  PAGEDLLM_LANE static I dpwssd(I acc, I a, I b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
 #endif
   PAGEDLLM_LANE static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   PAGEDLLM_LANE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
