@@ -18,7 +18,7 @@ from pagedllm.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-ROWS = (1, 5, 7, 64, 300)
+ROWS = (1, 5, 7, 64, 300, 1024)  # 1024: several panels and thread splits at prefill size
 # repacked eight rows at a time (quant_gemm_interleaved.cpp; quant_gemm_q4k_q5k.cpp, quant_gemm_q6k.cpp)
 INTERLEAVED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 REPACKED_IN_PLACE = (T.Q4_0, T.Q4_1, T.Q8_0)  # the same bytes, permuted (Q4_K's scales are unpacked)
@@ -45,14 +45,25 @@ def make_weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> t
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(wf)
 
 
-def q16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tie_steps(t: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Per element of t [rows, blocks, block] (x / d before rounding): its step d where it lies
+    within four float32 ulps of a rounding midpoint, else 0. There the kernel's x * (kMax / amax),
+    compiled with -ffast-math, may round the other way than this emulation: one step d of that one
+    value (at 1024 rows one did)."""
+    td = t.double()
+    ulp = torch.ldexp(torch.ones_like(td), torch.frexp(td.abs().clamp(min=1)).exponent - 24)
+    near = (td - td.floor() - 0.5).abs() <= 4 * ulp
+    return torch.where(near, d.expand_as(t), torch.zeros_like(t)).reshape(t.shape[0], -1)
+
+
+def q16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation scheme: per block of 32, d = amax / 32767, q = round(x / d) as int16.
-    Returns (dequantized x, per-element rounding bound d / 2)."""
+    Returns (dequantized x, per-element rounding bound d / 2, tie_steps)."""
     b = x.reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
     d = amax / 32767
-    q = torch.round(b * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
-    return (q * d).reshape(x.shape), (d / 2).expand_as(b).reshape(x.shape)
+    t = b * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (torch.round(t) * d).reshape(x.shape), (d / 2).expand_as(b).reshape(x.shape), tie_steps(t, d)
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -67,16 +78,17 @@ def test_quant_gemm_matches_dequantize_then_matmul(kernels, qtype, rows):
     assert_kernel_arithmetic(y, x, wf, q16_activations(x))
 
 
-def assert_kernel_arithmetic(y, x, wf, activations: tuple[torch.Tensor, torch.Tensor]) -> None:
+def assert_kernel_arithmetic(y, x, wf, activations: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     """y = quant_gemm(x) against the float weights wf, given the kernel's activation scheme
-    (dequantized x, per-element rounding bound)."""
-    xq, err = activations
+    (dequantized x, per-element rounding bound, the steps of values at a near-tie)."""
+    xq, err, ties = activations
     # 1. Exactly the kernel's arithmetic in float64 (its quantized activations, the file's weights):
     #    the integer dot products are exact, only float32 rounding of the per-block scale products
-    #    and the sums separates them.
+    #    and the sums separates them, and a value at a near-tie may have rounded one step apart.
     emulated = xq.double() @ wf.double().T
     scale = xq.double().abs() @ wf.double().abs().T
-    assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6)
+    tie_bound = ties.double() @ wf.double().abs().T
+    assert torch.all((y.double() - emulated).abs() <= 2e-5 * scale + 1e-6 + tie_bound)
     # 2. Against the float reference the only extra error is the activations' rounding:
     #    |x - xq| <= d / 2 per element, so |y - x W^T| <= (d / 2) @ |W|^T (plus the float slack).
     ref = x.double() @ wf.double().T
@@ -84,13 +96,14 @@ def assert_kernel_arithmetic(y, x, wf, activations: tuple[torch.Tensor, torch.Te
     assert torch.all((y.double() - ref).abs() <= bound * (1 + 1e-4) + 2e-5 * scale + 1e-6)
 
 
-def q8_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The interleaved kernel's activations: per block of 32 (fine scales: 16), d = amax / 127,
-    q = round(x / d) as int8. Returns (dequantized x, per-element rounding bound d / 2)."""
+    q = round(x / d) as int8. Returns (dequantized x, per-element rounding bound d / 2, tie_steps)."""
     b = x.reshape(x.shape[0], -1, block)
     amax = b.abs().amax(-1, keepdim=True)
-    q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
-    return (q * (amax / 127)).reshape(x.shape), (amax / 254).expand_as(b).reshape(x.shape)
+    t = b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    d = amax / 127
+    return (torch.round(t) * d).reshape(x.shape), (d / 2).expand_as(b).reshape(x.shape), tie_steps(t, d)
 
 
 def interleaved(kernels, w: torch.Tensor, qtype) -> tuple[torch.Tensor, int]:
