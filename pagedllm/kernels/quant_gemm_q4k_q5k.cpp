@@ -137,8 +137,7 @@ inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activa
       I lo_sum[MR], hi_sum[MR];
       for (int m = 0; m < MR; ++m) lo_sum[m] = hi_sum[m] = V::zero();
 #if !PAGEDLLM_X8_VNNI
-      I lo_wide[MR], hi_wide[MR];  // Q5_K: int16 sums widened every four runs
-      for (int m = 0; m < MR; ++m) lo_wide[m] = hi_wide[m] = V::zero();
+      I lo_wide[MR], hi_wide[MR];  // Q5_K: the first four runs' int16 sums, widened
 #endif
       const uint8_t* qs = blk + kQs + 256 * c;
 #pragma GCC unroll 8
@@ -160,10 +159,12 @@ inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activa
           // four runs: 31496 < 2^15, then widened.
           lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, ilv::broadcast4(xb)));
           hi_sum[m] = _mm256_add_epi16(hi_sum[m], _mm256_maddubs_epi16(hi, ilv::broadcast4(xb + 32)));
-          if (kFive && u == 3) {
-            lo_wide[m] = _mm256_madd_epi16(lo_sum[m], ones);
-            hi_wide[m] = _mm256_madd_epi16(hi_sum[m], ones);
-            lo_sum[m] = hi_sum[m] = V::zero();
+          if constexpr (kFive) {
+            if (u == 3) {
+              lo_wide[m] = _mm256_madd_epi16(lo_sum[m], ones);
+              hi_wide[m] = _mm256_madd_epi16(hi_sum[m], ones);
+              lo_sum[m] = hi_sum[m] = V::zero();
+            }
           }
 #endif
         }
@@ -174,8 +175,12 @@ inline void group_kernel(const uint8_t* group, int64_t group_bytes, const Activa
       const typename V::F m_lo = sub_scales<V>(dmin, mn, group_bytes), m_hi = sub_scales<V>(dmin, mn + 8, group_bytes);
       for (int m = 0; m < MR; ++m) {
 #if !PAGEDLLM_X8_VNNI
-        lo_sum[m] = _mm256_add_epi32(_mm256_madd_epi16(lo_sum[m], ones), lo_wide[m]);
-        hi_sum[m] = _mm256_add_epi32(_mm256_madd_epi16(hi_sum[m], ones), hi_wide[m]);
+        lo_sum[m] = _mm256_madd_epi16(lo_sum[m], ones);
+        hi_sum[m] = _mm256_madd_epi16(hi_sum[m], ones);
+        if constexpr (kFive) {
+          lo_sum[m] = _mm256_add_epi32(lo_sum[m], lo_wide[m]);
+          hi_sum[m] = _mm256_add_epi32(hi_sum[m], hi_wide[m]);
+        }
 #endif
         const int64_t at = (m0 + m) * a.nb + s * 8 + 2 * c;  // the activation block of sub-block 2c
         const float dx_lo = a.d[at], dx_hi = a.d[at + 1];
