@@ -9,6 +9,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // One head's D values into a cache row: copied where the cache has the activations' element,
@@ -33,11 +37,32 @@ inline void store_row(at::Float8_e5m2* dst, const float* src, int64_t D) { store
 // (0 where that is not a normal float),
 // q = x / scale rounded to nearest even, clamped to +-127. Without -ffast-math, which may turn
 // x / scale into x * (1 / scale): the reference's divisions and rounding, so its bits (noinline:
-// the attribute holds for this function's own code only).
+// the attribute holds for this function's own code only). Vectorized by hand: under that
+// attribute the compiler neither vectorizes the loops nor inlines std::max (called per value, it
+// cost as much as the rest of the store). Each lane does what the scalar tail does: a NaN is
+// skipped by the maximum (max_ps returns its second operand, the running maximum) and stored as
+// -127 (max_ps(NaN, -127) is -127), as std::max / std::min order them below.
 __attribute__((noinline, optimize("no-fast-math"))) void store_row_int8(int8_t* dst, float* scale, const float* src,
                                                                         int64_t n) {
+  int64_t i = 0;
   float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+#if defined(__AVX512F__)
+  __m512 m16 = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + i)), m16);
+  amax = _mm512_reduce_max_ps(m16);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m8 = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)), m8);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  amax = _mm_cvtss_f32(m4);
+#endif
+  for (; i < n; ++i) {
+    const float a = __builtin_fabsf(src[i]);
+    amax = amax < a ? a : amax;
+  }
   float sc = amax / 127.f;
   if (!(sc >= std::numeric_limits<float>::min())) sc = 0.f;
   *scale = sc;
@@ -45,8 +70,30 @@ __attribute__((noinline, optimize("no-fast-math"))) void store_row_int8(int8_t* 
     std::memset(dst, 0, n);
     return;
   }
-  for (int64_t i = 0; i < n; ++i)
-    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[i] / sc))));
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 s16 = _mm512_set1_ps(sc), lo16 = _mm512_set1_ps(-127.f), hi16 = _mm512_set1_ps(127.f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), s16),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, lo16), hi16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+  }
+#elif defined(__AVX2__)
+  const __m256 s8 = _mm256_set1_ps(sc), lo8 = _mm256_set1_ps(-127.f), hi8 = _mm256_set1_ps(127.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + i), s8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo8), hi8));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w, w));
+  }
+#endif
+  for (; i < n; ++i) {
+    float q = std::nearbyint(src[i] / sc);
+    q = -127.f < q ? q : -127.f;  // std::max(-127.f, q)
+    q = q < 127.f ? q : 127.f;    // std::min(127.f, q)
+    dst[i] = static_cast<int8_t>(q);
+  }
 }
 // A row of D values as int8_scale_groups(D) groups, each with its scale (scales[0 .. groups)).
 inline void store_row_int8_groups(int8_t* dst, float* scales, const float* src, int64_t D) {
