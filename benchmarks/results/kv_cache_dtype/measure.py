@@ -14,10 +14,11 @@ Parts (each alone under the benchmark lock; the caller takes it):
               (float activations: how much the activation rounding alone moves it);
   throughput  `bench throughput`, GGUF file of --gguf (a 1.7B-shape Q4_K_M), a fixed KV budget
               (--kv-gib), --num-prompts x (150 + 128), every request submitted at once,
-              output tok/s and preemptions per KV dtype.
+              output tok/s and preemptions per KV dtype (--rounds N: N rounds of the dtypes in
+              turn, medians of the figures and of the within-round ratios).
 
     flock /tmp/pagedllm-bench.lock python3 benchmarks/results/kv_cache_dtype/measure.py \
-        capacity attention perplexity [throughput --gguf FILE] [--kv-dtypes float32,int8]
+        capacity attention perplexity [throughput --gguf FILE [--rounds N]] [--kv-dtypes float32,int8]
 
 writes results.json, results.md and results.png beside this script (with the CPU recorded).
 --kv-dtypes (float32 first) limits perplexity and throughput to those caches; such a run is kept
@@ -184,27 +185,48 @@ def perplexity(kv_dtypes: list[str]) -> dict:
     return {"text": "benchmarks/data/kjv-romans.txt", "context": 512, "rows": rows}
 
 
-def throughput(gguf: str, kv_gib: float, num_prompts: int, kv_dtypes: list[str]) -> dict:
-    rows = []
-    for kv in kv_dtypes:
-        cmd = ["bench", "throughput", "--model", gguf, "--workload", "fixed", "--input-len", "150"]
-        cmd += ["--output-len", "128", "--num-prompts", str(num_prompts), "--repeats", "1", "--no-save"]
-        cmd += ["--kv-cache-memory-gib", str(kv_gib), "--max-num-seqs", str(num_prompts), "--kv-cache-dtype", kv]
-        out = subprocess.run(_cli(cmd), check=True, capture_output=True, text=True).stdout
-        res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
-        rows.append(
+def throughput_once(gguf: str, kv_gib: float, num_prompts: int, kv: str) -> dict:
+    """One `bench throughput` run of ``gguf`` with a ``kv`` cache of ``kv_gib``, in a process of its own."""
+    cmd = ["bench", "throughput", "--model", gguf, "--workload", "fixed", "--input-len", "150"]
+    cmd += ["--output-len", "128", "--num-prompts", str(num_prompts), "--repeats", "1", "--no-save"]
+    cmd += ["--kv-cache-memory-gib", str(kv_gib), "--max-num-seqs", str(num_prompts), "--kv-cache-dtype", kv]
+    out = subprocess.run(_cli(cmd), check=True, capture_output=True, text=True).stdout
+    res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+    return {
+        "kv_dtype": res["kv_cache_dtype"],
+        "output_tok_s": res["output_tok_s"],
+        "wall_s": res["wall_s"],
+        "num_preemptions": res["num_preemptions"],
+        "kv_cache_tokens": res["kv_cache_tokens"],
+    }
+
+
+def throughput(gguf: str, kv_gib: float, num_prompts: int, kv_dtypes: list[str], rounds: int) -> dict:
+    """``rounds`` rounds of every dtype in turn (the machine's speed drifts by tens of percent over
+    minutes: a ratio is taken within a round, and the result is the median of each)."""
+    per_round = []
+    for _ in range(rounds):
+        rows = [throughput_once(gguf, kv_gib, num_prompts, kv) for kv in kv_dtypes]
+        for r in rows:
+            r["vs_float32"] = round(r["output_tok_s"] / rows[0]["output_tok_s"], 3)
+        per_round.append(rows)
+    medians = []
+    for i, first in enumerate(per_round[0]):
+        runs = [rows[i] for rows in per_round]
+        medians.append(
             {
-                "kv_dtype": res["kv_cache_dtype"],
-                "output_tok_s": res["output_tok_s"],
-                "wall_s": res["wall_s"],
-                "num_preemptions": res["num_preemptions"],
-                "kv_cache_tokens": res["kv_cache_tokens"],
+                "kv_dtype": first["kv_dtype"],
+                "output_tok_s": round(statistics.median(r["output_tok_s"] for r in runs), 2),
+                "num_preemptions": statistics.median(r["num_preemptions"] for r in runs),
+                "kv_cache_tokens": first["kv_cache_tokens"],
+                "vs_float32": round(statistics.median(r["vs_float32"] for r in runs), 2),
+                "vs_float32_rounds": [r["vs_float32"] for r in runs],
             }
         )
-    base = rows[0]["output_tok_s"]
-    for r in rows:
-        r["vs_float32"] = round(r["output_tok_s"] / base, 2)
-    return {"model": os.path.basename(gguf), "kv_gib": kv_gib, "num_prompts": num_prompts, "rows": rows}
+    out = {"model": os.path.basename(gguf), "kv_gib": kv_gib, "num_prompts": num_prompts, "rows": medians}
+    if rounds > 1:
+        out["rounds"] = per_round
+    return out
 
 
 def markdown(results: dict) -> str:
@@ -217,7 +239,7 @@ def markdown(results: dict) -> str:
             continue
         lines.append(f"## {part}")
         lines.append("")
-        extra = {k: v for k, v in data.items() if k != "rows"}
+        extra = {k: v for k, v in data.items() if k not in ("rows", "rounds")}
         if extra:
             lines += [", ".join(f"{k}: {v}" for k, v in extra.items()), ""]
         cols = list(data["rows"][0])
@@ -226,6 +248,15 @@ def markdown(results: dict) -> str:
         for r in data["rows"]:
             lines.append("| " + " | ".join(str(r.get(c)) for c in cols) + " |")
         lines.append("")
+        if data.get("rounds"):
+            lines += ["Rounds (each dtype in turn, ratios within a round):", ""]
+            lines += ["| round | kv_dtype | output_tok_s | num_preemptions | vs_float32 |", "|---|---|---|---|---|"]
+            for i, rows in enumerate(data["rounds"], 1):
+                for r in rows:
+                    lines.append(
+                        f"| {i} | {r['kv_dtype']} | {r['output_tok_s']} | {r['num_preemptions']} | {r['vs_float32']} |"
+                    )
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -267,6 +298,7 @@ def main() -> None:
     p.add_argument("--gguf", help="the 1.7B-shape Q4_K_M file (throughput)")
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="throughput: rounds of every dtype in turn, medians")
     p.add_argument(
         "--kv-dtypes", default=",".join(KV_DTYPES), help="perplexity, throughput: which caches, float32 first"
     )
@@ -281,7 +313,7 @@ def main() -> None:
     for part in args.parts:
         t = time.perf_counter()
         if part == "throughput":
-            key, data = part + subset, throughput(args.gguf, args.kv_gib, args.num_prompts, kv_dtypes)
+            key, data = part + subset, throughput(args.gguf, args.kv_gib, args.num_prompts, kv_dtypes, args.rounds)
         elif part == "perplexity":
             key, data = part + subset, perplexity(kv_dtypes)
         elif part == "attention-wide":
