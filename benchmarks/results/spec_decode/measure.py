@@ -1,11 +1,19 @@
 """n-gram speculative decoding vs none, batch 1, the default model, input-grounded prompts.
 
-Two workloads that copy from their input, as editing, quoting and code do: ``code`` gives a short
-Python function and asks for it back with one name changed; ``quote`` gives a paragraph and asks
-for it word for word (greedy, 256 tokens at most, one request at a time). Each workload runs the
-engine without speculation and with each n-gram config of SPECS, in one process, alternately, 3
-timed passes each after a warm-up; the result is each engine's median output tok/s, the ratios,
-and each speculating engine's draft acceptance. Greedy outputs must be identical (checked).
+Workloads that copy from their input, as editing, quoting and code do, each phrased two ways
+(greedy, 256 tokens at most, one request at a time):
+- ``code`` gives a short Python function and asks for it back with one name changed, the
+  instruction after the code; ``rename`` asks the same with the instruction first;
+- ``quote`` gives a paragraph and asks for it word for word, the instruction after it;
+  ``repeat`` says "Repeat the following text exactly:" before it.
+The 135M model copies more faithfully when the instruction comes first (it paraphrases less), so
+both phrasings are kept: the result is what the model's own copying allows either way.
+Each workload runs the engine without speculation and with each n-gram config of SPECS, in one
+process, alternately, 3 timed passes each after a warm-up, every request timed on its own; the
+result is each engine's median output tok/s, the ratios, each speculating engine's draft
+acceptance, and the same ratio over the requests that stopped by themselves (a request the model
+sends into a loop until max_tokens is the easiest to draft for: the ratio without those says
+what copying alone gave). Greedy outputs must be identical (checked).
 
     flock /tmp/pagedllm-bench.lock python3 benchmarks/results/spec_decode/measure.py
 
@@ -53,6 +61,8 @@ CODE = [
     return counts''',
 ]
 RENAMES = [("values", "samples"), ("intervals", "ranges"), ("counts", "tally")]
+# The first three paragraphs were the workload's from the start; the last three were added with the
+# instruction-first phrasing, so that one paragraph's behaviour weighs less.
 QUOTES = [
     "The Industrial Revolution began in Britain in the late eighteenth century. Steam engines, first used to "
     "pump water out of mines, were soon driving looms and locomotives. Factories drew workers from the "
@@ -65,6 +75,15 @@ QUOTES = [
     "To reset your password, open the settings page and choose Account. Click the link that says Forgot "
     "password, then enter the email address you used to sign up. We will send you a message with a six-digit "
     "code. Type the code into the box, choose a new password of at least twelve characters, and save it.",
+    "The library opens at nine in the morning and closes at six in the evening on weekdays. On Saturdays it "
+    "closes at one. Books can be borrowed for three weeks and renewed twice, online or at the front desk. "
+    "Overdue books cost ten cents a day, up to the price of the book.",
+    "Honey bees live in colonies of up to sixty thousand workers, a few hundred drones and a single queen. "
+    "The workers gather nectar and pollen, build the comb and feed the young. In winter the bees cluster "
+    "together and shiver their muscles to keep the queen warm.",
+    "Our return policy is simple. Items in their original packaging can be returned within thirty days for a "
+    "full refund. Opened items can be exchanged for store credit. Sale items are final. Please bring your "
+    "receipt and the card you paid with.",
 ]
 # vLLM's keys. min 1 proposes after any one-token match; min 2 waits for a two-token one, which
 # this model's paraphrases break less often, so fewer verifying passes are spent on drafts it rejects.
@@ -97,8 +116,19 @@ def workloads() -> dict[str, list[list[dict]]]:
         [{"role": "user", "content": f"Here is a function:\n\n{c}\n\nRepeat it exactly, but rename `{a}` to `{b}`."}]
         for c, (a, b) in zip(CODE, RENAMES, strict=True)
     ]
+    rename = [
+        [
+            {
+                "role": "user",
+                "content": f"Rename `{a}` to `{b}` in this Python function and show the whole function:"
+                f"\n\n```python\n{c}\n```",
+            }
+        ]
+        for c, (a, b) in zip(CODE, RENAMES, strict=True)
+    ]
     quote = [[{"role": "user", "content": f"{q}\n\nQuote the text above word for word."}] for q in QUOTES]
-    return {"code": code, "quote": quote}
+    repeat = [[{"role": "user", "content": f"Repeat the following text exactly:\n\n{q}"}] for q in QUOTES]
+    return {"code": code, "rename": rename, "quote": quote, "repeat": repeat}
 
 
 def machine() -> dict:
@@ -116,47 +146,57 @@ def machine() -> dict:
 
 def alternating_passes(engines: dict, prompts: list[list[dict]]):
     """Greedy passes (256 tokens at most) of every engine over ``prompts`` in turn, a warm-up then
-    3 timed: (each engine's timed walls, its output tokens per pass, its output texts)."""
+    3 timed: (each engine's timed walls per pass and request, its outputs of the last pass)."""
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=256)
-    walls: dict[str, list[float]] = {name: [] for name in engines}
-    tokens: dict[str, int] = {}
-    texts: dict[str, list[str]] = {}
+    walls: dict[str, list[list[float]]] = {name: [] for name in engines}
+    outputs: dict[str, list] = {}
     for rep in range(4):  # pass 0 warms up
         for name, llm in engines.items():
-            t = time.perf_counter()
-            outs = [llm.chat(p, params, use_tqdm=False)[0].outputs[0] for p in prompts]
-            wall = time.perf_counter() - t
-            tokens[name] = sum(len(o.token_ids) for o in outs)
-            texts[name] = [o.text for o in outs]
+            outs, times = [], []
+            for p in prompts:
+                t = time.perf_counter()
+                outs.append(llm.chat(p, params, use_tqdm=False)[0].outputs[0])
+                times.append(time.perf_counter() - t)
+            outputs[name] = outs
             if rep:
-                walls[name].append(wall)
-    return walls, tokens, texts
+                walls[name].append(times)
+    return walls, outputs
 
 
 def run_workload(engines: dict, prompts: list[list[dict]]) -> dict:
-    """Alternating passes of every engine over ``prompts``: medians, ratios, acceptance."""
+    """Alternating passes of every engine over ``prompts``: medians, ratios, acceptance; the same
+    over the requests that stopped before max_tokens."""
     before = {name: dict(llm.llm_engine.get_stats()) for name, llm in engines.items()}
-    walls, tokens, texts = alternating_passes(engines, prompts)
+    walls, outputs = alternating_passes(engines, prompts)
+    stopped = [i for i, o in enumerate(outputs["none"]) if o.finish_reason == "stop"]
     rows = []
     for name, llm in engines.items():
-        assert texts[name] == texts["none"], f"greedy output changed with {name}"
-        med = statistics.median(walls[name])
+        outs = outputs[name]
+        assert [o.text for o in outs] == [o.text for o in outputs["none"]], f"greedy output changed with {name}"
+        tokens = sum(len(o.token_ids) for o in outs)
+        med = statistics.median(sum(times) for times in walls[name])
+        stopped_tokens = sum(len(outs[i].token_ids) for i in stopped)
+        stopped_med = statistics.median(sum(times[i] for i in stopped) for times in walls[name])
         stats = llm.llm_engine.get_stats()
         spec = {k: _delta(v, before[name].get(k)) for k, v in stats.items() if k.startswith("spec_decode")}
         rows.append(
             {
                 "engine": name,
-                "output_tokens": tokens[name],
+                "output_tokens": tokens,
                 "median_s": round(med, 2),
-                "output_tok_s": round(tokens[name] / med, 1),
+                "output_tok_s": round(tokens / med, 1),
+                "stopped_output_tok_s": round(stopped_tokens / stopped_med, 1) if stopped else None,
                 "spec_stats": spec,
             }
         )
     for r in rows:
         r["vs_none"] = round(r["output_tok_s"] / rows[0]["output_tok_s"], 2)
-    return {"rows": rows, "walls_s": walls}
+        if stopped:
+            r["stopped_vs_none"] = round(r["stopped_output_tok_s"] / rows[0]["stopped_output_tok_s"], 2)
+    requests = [{"output_tokens": len(o.token_ids), "finish_reason": o.finish_reason} for o in outputs["none"]]
+    return {"rows": rows, "requests": requests, "walls_s": walls}
 
 
 def _delta(now, before):
@@ -188,8 +228,9 @@ def main() -> None:
         "",
         f"Command: `{result['command']}`",
         "",
-        "| workload | engine | output tokens | median s | output tok/s | vs none | drafts accepted |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | engine | output tokens | median s | output tok/s | vs none | stopped requests: vs none "
+        "| drafts accepted |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for wname, res in results.items():
         for r in res["rows"]:
@@ -197,8 +238,12 @@ def main() -> None:
             acc = f"{st['spec_decode_num_accepted_tokens']} / {st['spec_decode_num_draft_tokens']}" if st else ""
             lines.append(
                 f"| {wname} | {r['engine']} | {r['output_tokens']} | {r['median_s']} | {r['output_tok_s']} "
-                f"| {r['vs_none']} | {acc} |"
+                f"| {r['vs_none']} | {r.get('stopped_vs_none', '')} | {acc} |"
             )
+    lines += ["", "Output tokens per request and how each ended (max_tokens 256: `length`):", ""]
+    for wname, res in results.items():
+        reqs = ", ".join(f"{q['output_tokens']} {q['finish_reason']}" for q in res["requests"])
+        lines.append(f"- {wname}: {reqs}")
     lines += ["", "Greedy outputs identical in every run (checked). Drafts counted over all four passes.", ""]
     with open(os.path.join(HERE, "results.md"), "w") as fh:
         fh.write("\n".join(lines))
