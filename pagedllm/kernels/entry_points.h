@@ -45,9 +45,10 @@ torch::Tensor quant_interleave_rows(torch::Tensor w, int64_t qtype);
 torch::Tensor quant_interleaved_rows(torch::Tensor w, int64_t qtype, torch::Tensor ids);
 torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t qtype);
 // quant_gemm_interleaved's Q4_0 / Q4_1 / Q5_0 / Q5_1 (+ kFineScales) / Q8_0 at many activation rows on
-// AVX512-VNNI (quant_gemm_interleaved_panels.cpp): false where it does not run (too few rows, no VNNI).
-bool quant_gemm_interleaved_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t qtype,
-                              float* y);
+// AVX512-VNNI (quant_gemm_interleaved_panels.cpp): the leading rows it computed (whole panels of 16;
+// 0 where it does not run: too few rows, no VNNI), the caller runs the rest.
+int64_t quant_gemm_interleaved_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                                      int64_t qtype, float* y);
 // Q4_K (five false) or Q5_K (quant_gemm_q4k_q5k.cpp).
 torch::Tensor quant_q45k_interleave(torch::Tensor w, bool five);
 torch::Tensor quant_q45k_rows(torch::Tensor w, torch::Tensor ids, bool five);

@@ -369,7 +369,8 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   ilv::layout_of(format);  // checks the format
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_gemm_interleaved: x must be [M, K] float32");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t K = x.size(1), N = w.size(0);
+  int64_t M = x.size(0);
   ilv::check_weight(w, format, K);
   auto y = scratch_empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -378,7 +379,13 @@ torch::Tensor quant_gemm_interleaved(torch::Tensor x, torch::Tensor w, int64_t q
   const int64_t group_bytes = ilv::kRows * w.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (quant_gemm_interleaved_panels(xp, M, K, wp, N, qtype, yp)) return y;
+  // Whole panels of 16 rows first where they pay; the rows after them through the group kernels
+  // (each output row's bits are the same either way).
+  const int64_t in_panels = quant_gemm_interleaved_panels(xp, M, K, wp, N, qtype, yp);
+  if (in_panels == M) return y;
+  xp += in_panels * K;
+  yp += in_panels * N;
+  M -= in_panels;
   auto run = [&](auto format, const auto& act) {  // format: the GGUF type, as a compile-time constant
     at::parallel_for(0, N / ilv::kRows, 4, [&](int64_t g0, int64_t g1) {
       ilv::for_each_group_tile<true>(wp, group_bytes, g0, g1, M, yp,

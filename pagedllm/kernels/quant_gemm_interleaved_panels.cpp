@@ -214,26 +214,37 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, floa
 }  // namespace interleaved_panels
 }  // namespace
 
-bool quant_gemm_interleaved_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t qtype,
-                              float* y) {
+// Whole panels only, from a format's own row count; the rest (< 16 rows, or all of a smaller call)
+// runs the group kernels. A panel costs the same at 1 row as at 16, and the group kernels (two row
+// groups per 512-bit register, five or six rows at once) cost ~1/13 of a panel per row, so a
+// part-filled panel loses to them. Zen 5, 2048 -> 8192, a build with these panels and one with
+// them off, alternating: Q4_0 at 12 / 24 rows 0.53 / 0.88 ms in panels against 0.39 / 0.71 in the
+// group kernels; at 32 rows 0.88 against 0.96, at 512 12.6 against 15.4. Q8_0's panels (int16
+// pairs, vpdpwssd) only draw level with its group kernels at a few hundred rows (128 rows 7.76
+// against 7.26 ms, 512 equal). benchmarks/probes/panel_threshold.py checks the choice.
+constexpr int64_t kPanelRowsFrom4 = 32, kPanelRowsFrom8 = 256;
+
+int64_t quant_gemm_interleaved_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                                      int64_t qtype, float* y) {
 #if PAGEDLLM_X16_VNNI
-  if (M < kPanelRowsMin) return false;
+  if (M < (qtype == ilv::Q8_0 ? kPanelRowsFrom8 : kPanelRowsFrom4)) return 0;
+  M = M / panels::kPanel * panels::kPanel;
   namespace np = interleaved_panels;
   switch (qtype) {
-    case ilv::Q4_0: np::run<ilv::Q4_0, false>(x, M, K, w, N, y); return true;
-    case ilv::Q4_1: np::run<ilv::Q4_1, false>(x, M, K, w, N, y); return true;
-    case ilv::Q5_0: np::run<ilv::Q5_0, false>(x, M, K, w, N, y); return true;
-    case ilv::Q5_1: np::run<ilv::Q5_1, false>(x, M, K, w, N, y); return true;
-    case ilv::Q8_0: np::run_q8(x, M, K, w, N, y); return true;
-    case kFineScales + ilv::Q4_0: np::run<ilv::Q4_0, true>(x, M, K, w, N, y); return true;
-    case kFineScales + ilv::Q4_1: np::run<ilv::Q4_1, true>(x, M, K, w, N, y); return true;
-    case kFineScales + ilv::Q5_0: np::run<ilv::Q5_0, true>(x, M, K, w, N, y); return true;
-    case kFineScales + ilv::Q5_1: np::run<ilv::Q5_1, true>(x, M, K, w, N, y); return true;
-    default: return false;
+    case ilv::Q4_0: np::run<ilv::Q4_0, false>(x, M, K, w, N, y); return M;
+    case ilv::Q4_1: np::run<ilv::Q4_1, false>(x, M, K, w, N, y); return M;
+    case ilv::Q5_0: np::run<ilv::Q5_0, false>(x, M, K, w, N, y); return M;
+    case ilv::Q5_1: np::run<ilv::Q5_1, false>(x, M, K, w, N, y); return M;
+    case ilv::Q8_0: np::run_q8(x, M, K, w, N, y); return M;
+    case kFineScales + ilv::Q4_0: np::run<ilv::Q4_0, true>(x, M, K, w, N, y); return M;
+    case kFineScales + ilv::Q4_1: np::run<ilv::Q4_1, true>(x, M, K, w, N, y); return M;
+    case kFineScales + ilv::Q5_0: np::run<ilv::Q5_0, true>(x, M, K, w, N, y); return M;
+    case kFineScales + ilv::Q5_1: np::run<ilv::Q5_1, true>(x, M, K, w, N, y); return M;
+    default: return 0;
   }
 #else
   (void)x, (void)M, (void)K, (void)w, (void)N, (void)qtype, (void)y;
-  return false;
+  return 0;
 #endif
 }
 

@@ -15,7 +15,8 @@
 
 #include "quant_interleaved.h"
 
-// Calls with at least this many activation rows take the panels (below, the group kernels).
+// Q4_K / Q5_K / Q6_K calls with at least this many activation rows take the panels (below, the
+// group kernels); the interleaved formats' own rule is in quant_gemm_interleaved_panels.cpp.
 constexpr int64_t kPanelRowsMin = 12;
 
 #if PAGEDLLM_X16_VNNI
