@@ -37,7 +37,8 @@ inline void store_row(at::Float8_e5m2* dst, const float* src, int64_t D) { store
 // (0 where that is not a normal float),
 // q = x / scale rounded to nearest even, clamped to +-127. Without -ffast-math, which may turn
 // x / scale into x * (1 / scale): the reference's divisions and rounding, so its bits (noinline:
-// the attribute holds for this function's own code only). Vectorized by hand: under that
+// the attribute holds for this function's own code only). Vectorized by hand, 8 lanes (AVX2; a
+// head's 32 / 64 values are 4 / 8 steps, and AVX512 builds run the same code): under that
 // attribute the compiler neither vectorizes the loops nor inlines std::max (called per value, it
 // cost as much as the rest of the store). Each lane does what the scalar tail does: a NaN is
 // skipped by the maximum (max_ps returns its second operand, the running maximum) and stored as
@@ -46,11 +47,7 @@ __attribute__((noinline, optimize("no-fast-math"))) void store_row_int8(int8_t* 
                                                                         int64_t n) {
   int64_t i = 0;
   float amax = 0.f;
-#if defined(__AVX512F__)
-  __m512 m16 = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + i)), m16);
-  amax = _mm512_reduce_max_ps(m16);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 m8 = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)), m8);
@@ -71,15 +68,7 @@ __attribute__((noinline, optimize("no-fast-math"))) void store_row_int8(int8_t* 
     return;
   }
   i = 0;
-#if defined(__AVX512F__)
-  const __m512 s16 = _mm512_set1_ps(sc), lo16 = _mm512_set1_ps(-127.f), hi16 = _mm512_set1_ps(127.f);
-  for (; i + 16 <= n; i += 16) {
-    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), s16),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm512_min_ps(_mm512_max_ps(q, lo16), hi16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
-  }
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
   const __m256 s8 = _mm256_set1_ps(sc), lo8 = _mm256_set1_ps(-127.f), hi8 = _mm256_set1_ps(127.f);
   for (; i + 8 <= n; i += 8) {
     __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + i), s8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
